@@ -1,0 +1,3 @@
+"""gpuwatch: watch and police GPUs shared by containers."""
+
+__version__ = "0.1.0"

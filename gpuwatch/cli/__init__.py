@@ -1,0 +1,1 @@
+"""Command-line interface: a click group whose subcommands are imported lazily."""
