@@ -9,10 +9,10 @@ A value that a source could not read is ``None`` ("N/A"), never a made-up zero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class ProcessKind(str, Enum):
+class ProcessKind(StrEnum):
     """How NVML lists a process on a device."""
 
     COMPUTE = "compute"
