@@ -1,0 +1,186 @@
+"""What this host supports, and how to fix what it lacks (behind `gpuwatch doctor`).
+
+Each check returns a `Check`: a status, what was found, what the user loses when it is
+missing, and the fix. Checks only look (files, PATH, dlopen); they never change the host.
+Filesystem roots are injectable so the checks are unit-testable on fixture trees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import platform
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+KERNEL_HEADERS_FALLBACK = "/opt/gpuwatch/kernel-headers/current"
+
+
+class Status(StrEnum):
+    OK = "ok"
+    WARN = "warn"  # optional capability missing: something is off, the rest works
+    FAIL = "fail"  # the main job cannot run as asked
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    found: str
+    loses: str = ""
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class HostRoots:
+    """Where to look; tests point these at fixture trees."""
+
+    sys_root: str = "/sys"
+    proc_root: str = "/proc"
+    lib_modules: str = "/lib/modules"
+    kernel_headers_fallback: str = KERNEL_HEADERS_FALLBACK
+
+
+def check_root(euid: int | None = None) -> Check:
+    uid = os.geteuid() if euid is None else euid
+    if uid == 0:
+        return Check("root", Status.OK, "running as root")
+    return Check("root", Status.WARN, f"running as uid {uid}",
+                 loses="BPF probes, cgroup enforcement and reading other users' /proc entries",
+                 fix="run the agent as root (sudo gpuwatch agent) or in the privileged DaemonSet")
+
+
+def check_nvml(loader: Callable[[str], object] = ctypes.CDLL) -> Check:
+    override = os.environ.get("GPUWATCH_NVML_LIBRARY")
+    name = override or "libnvidia-ml.so.1"
+    try:
+        loader(name)
+    except OSError as err:
+        return Check("nvml", Status.WARN, f"{name} not loadable ({err})",
+                     loses="real GPU data (no NVIDIA driver on this host)",
+                     fix="install the NVIDIA driver (its libnvidia-ml.so.1), or try the simulation: "
+                         "gpuwatch sim up && gpuwatch quickstart")
+    what = f"{name} (GPUWATCH_NVML_LIBRARY)" if override else name
+    return Check("nvml", Status.OK, f"{what} loads")
+
+
+def check_bcc(find_spec: Callable[[str], object] = importlib.util.find_spec) -> Check:
+    spec = find_spec("bcc")
+    if spec is None:
+        return Check("bcc", Status.WARN, "python module `bcc` not importable",
+                     loses="kernel probes: per-container ioctl/allocation counts and in-kernel enforcement",
+                     fix="apt-get install python3-bpfcc (never `pip install bcc`: an unrelated package); "
+                         "use a venv made with --system-site-packages")
+    origin = getattr(spec, "origin", "") or ""
+    if "dist-packages" not in origin and "bcc" in origin and "site-packages" in origin:
+        return Check("bcc", Status.WARN, f"`bcc` at {origin} looks like PyPI's unrelated `bcc` package",
+                     loses="kernel probes",
+                     fix="pip uninstall bcc; apt-get install python3-bpfcc")
+    return Check("bcc", Status.OK, f"bcc at {origin or 'unknown location'}")
+
+
+def kernel_headers_dir(roots: HostRoots = HostRoots(), release: str | None = None) -> str | None:
+    """The kernel header tree BCC should use, or None when there is none."""
+    rel = release or platform.release()
+    build = Path(roots.lib_modules, rel, "build")
+    if build.exists():
+        return str(build)
+    env = os.environ.get("BCC_KERNEL_SOURCE")
+    if env and Path(env).is_dir():
+        return env
+    fallback = Path(roots.kernel_headers_fallback)
+    if fallback.is_dir():
+        return str(fallback.resolve())
+    return None
+
+
+def check_kernel_headers(roots: HostRoots = HostRoots(), release: str | None = None) -> Check:
+    found = kernel_headers_dir(roots, release)
+    if found is None:
+        return Check("kernel-headers", Status.WARN, "no kernel headers for BCC",
+                     loses="kernel probes (BCC compiles its programs against them)",
+                     fix="apt-get install linux-headers-amd64, then `bash deploy/setup.sh install` "
+                         "(merges Debian's split header tree for BCC)")
+    return Check("kernel-headers", Status.OK, found)
+
+
+def check_btf(roots: HostRoots = HostRoots()) -> Check:
+    if Path(roots.sys_root, "kernel/btf/vmlinux").exists():
+        return Check("btf", Status.OK, "/sys/kernel/btf/vmlinux present")
+    return Check("btf", Status.WARN, "kernel BTF missing",
+                 loses="nothing today (probes use tracepoint args and uprobe registers only)",
+                 fix="a kernel built with CONFIG_DEBUG_INFO_BTF=y")
+
+
+def cgroup_mode(proc_root: str = "/proc") -> tuple[str, str | None]:
+    """('v2'|'hybrid'|'v1'|'none', cgroup2 mount point or None) from mountinfo."""
+    v2_mount: str | None = None
+    has_v1 = False
+    try:
+        text = Path(proc_root, "self/mountinfo").read_text()
+    except OSError:
+        return "none", None
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fstype = right.split(" ", 1)[0]
+        mount_point = left.split(" ")[4] if len(left.split(" ")) > 4 else ""
+        if fstype == "cgroup2" and v2_mount is None:
+            v2_mount = mount_point
+        elif fstype == "cgroup":
+            has_v1 = True
+    if v2_mount and has_v1:
+        return "hybrid", v2_mount
+    if v2_mount:
+        return "v2", v2_mount
+    return ("v1", None) if has_v1 else ("none", None)
+
+
+def check_cgroups(roots: HostRoots = HostRoots()) -> Check:
+    mode, mount = cgroup_mode(roots.proc_root)
+    if mode in ("v2", "hybrid"):
+        return Check("cgroups", Status.OK, f"{mode} (cgroup2 at {mount})")
+    return Check("cgroups", Status.WARN, f"cgroup mode {mode}",
+                 loses="cgroup ids for BPF attribution, cgroup.freeze and cgroup.kill",
+                 fix="boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1) or hybrid mode")
+
+
+def check_tracepoints(roots: HostRoots = HostRoots()) -> Check:
+    for base in ("kernel/tracing", "kernel/debug/tracing"):
+        if Path(roots.sys_root, base, "events/syscalls/sys_enter_ioctl").exists():
+            return Check("tracepoints", Status.OK, f"syscall tracepoints under /sys/{base}")
+    return Check("tracepoints", Status.WARN, "syscall tracepoints not visible",
+                 loses="ioctl accounting (device opens, RM_ALLOC/RM_FREE bytes per container)",
+                 fix="mount tracefs (mount -t tracefs nodev /sys/kernel/tracing) and run as root")
+
+
+def check_binary(name: str, package: str, loses: str,
+                 which: Callable[[str], str | None] = shutil.which) -> Check:
+    path = which(name) or which(f"/usr/sbin/{name}")
+    if path:
+        return Check(name, Status.OK, path)
+    return Check(name, Status.WARN, f"`{name}` not found", loses=loses, fix=f"apt-get install {package}")
+
+
+def run_all(roots: HostRoots = HostRoots()) -> list[Check]:
+    """Every check, in the order `gpuwatch doctor` prints them."""
+    return [
+        check_root(),
+        check_nvml(),
+        check_bcc(),
+        check_kernel_headers(roots),
+        check_btf(roots),
+        check_cgroups(roots),
+        check_tracepoints(roots),
+        check_binary("runc", "runc", "simulated workloads in real containers (gpuwatch sim, tests)"),
+        check_binary("cc", "gcc libc6-dev", "the simulated GPU node (its C libraries are built on demand)"),
+        check_binary("prometheus", "prometheus", "the Prometheus system tests and dashboard checks"),
+        check_binary("promtool", "prometheus", "checking alert rules and metric names"),
+        check_binary("prometheus-alertmanager", "prometheus-alertmanager",
+                     "alert-driven enforcement tests"),
+    ]
