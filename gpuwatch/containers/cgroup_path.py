@@ -1,0 +1,207 @@
+"""cgroup path -> container identity, from the path alone (pure, no I/O).
+
+Every container runtime names its cgroups in a recognisable way. We split the path into
+components and try a table of per-runtime patterns on each; the *deepest* matching
+component wins (Kepler's approach), so nested clusters (kind: a Kubernetes node that is
+itself a docker container) resolve to the innermost container, not the node.
+
+Kubernetes pod cgroups are recognised separately (both kubelet cgroup drivers, every QoS
+class) to fill in the pod UID and QoS class; the UID is normalised to its dashed form.
+
+Anything that matches nothing is kept, never dropped: "/" is the host, ``*.service`` /
+``*.scope`` / ``*.slice`` are systemd units, the rest is runtime "unknown" with the raw path.
+Pod name/namespace/container name are not in the path; see metadata.py.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from gpuwatch.model import HOST_IDENTITY, ContainerIdentity
+
+# Runtime names reported in ContainerIdentity.runtime.
+DOCKER = "docker"
+CONTAINERD = "containerd"
+CRIO = "crio"
+PODMAN = "podman"
+RUNC = "runc"
+KUBEPODS = "kubepods"  # container under a kubepods pod dir with a bare id: runtime not in the path
+SYSTEMD = "systemd"
+HOST = "host"
+UNKNOWN = "unknown"
+
+_HEX64 = r"[0-9a-f]{64}"
+_BARE_ID = re.compile(rf"^({_HEX64})$")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One component pattern: group 'id' is the container id."""
+
+    runtime: str
+    pattern: re.Pattern[str]
+    role: str = "container"  # "container" or "monitor" (conmon: the runtime's helper process)
+
+
+# Component patterns, tried in order on each path component (full match).
+_RULES: tuple[_Rule, ...] = (
+    # docker, systemd driver: /system.slice/docker-<id>.scope (also under kubepods-*.slice with
+    # dockershim, and rootless under user@<uid>.service)
+    _Rule(DOCKER, re.compile(rf"^docker-(?P<id>{_HEX64})\.scope$")),
+    # containerd CRI, systemd driver: cri-containerd-<id>.scope
+    _Rule(CONTAINERD, re.compile(rf"^cri-containerd-(?P<id>{_HEX64})\.scope$")),
+    # nerdctl / containerd outside Kubernetes, systemd driver: nerdctl-<id>.scope, containerd-<id>.scope
+    _Rule(CONTAINERD, re.compile(rf"^(?:nerdctl|containerd)-(?P<id>{_HEX64})\.scope$")),
+    # CRI-O: crio-<id>.scope (systemd) or crio-<id> (cgroupfs); conmon: crio-conmon-<id>[.scope]
+    _Rule(CRIO, re.compile(rf"^crio-conmon-(?P<id>{_HEX64})(?:\.scope)?$"), role="monitor"),
+    _Rule(CRIO, re.compile(rf"^crio-(?P<id>{_HEX64})(?:\.scope)?$")),
+    # podman/libpod: libpod-<id>.scope (systemd), libpod-<id> (cgroupfs under /libpod_parent),
+    # libpod-conmon-<id>.scope, quadlet: libpod-payload-<id>
+    _Rule(PODMAN, re.compile(rf"^libpod-conmon-(?P<id>{_HEX64})(?:\.scope)?$"), role="monitor"),
+    _Rule(PODMAN, re.compile(rf"^libpod-payload-(?P<id>{_HEX64})$")),
+    _Rule(PODMAN, re.compile(rf"^libpod-(?P<id>{_HEX64})(?:\.scope)?$")),
+    # plain runc with the systemd driver (cgroupsPath "system.slice:runc:<id>"): runc-<id>.scope
+    _Rule(RUNC, re.compile(r"^runc-(?P<id>[A-Za-z0-9][A-Za-z0-9_.+-]*)\.scope$")),
+)
+
+# containerd v1 with a systemd-style cgroupsPath but the cgroupfs driver writes one component
+# "<pod slice>:cri-containerd:<id>" (seen in Kepler's tests): split it into pod + container.
+_COLON_FORM = re.compile(
+    rf"^(?P<slice>[^:]+\.slice):(?P<prefix>cri-containerd|crio|docker):(?P<id>{_HEX64})$"
+)
+_COLON_RUNTIME = {"cri-containerd": CONTAINERD, "crio": CRIO, "docker": DOCKER}
+
+# Pod cgroups. systemd driver: kubepods-pod<uid>.slice (guaranteed),
+# kubepods-burstable-pod<uid>.slice, kubepods-besteffort-pod<uid>.slice, with '_' in the uid;
+# kind-style nested kubelets prefix "kubelet-". cgroupfs driver: pod<uid> under
+# /kubepods[/burstable|/besteffort], with '-' in the uid. Static pods have 32-hex uids.
+_POD_SLICE = re.compile(
+    r"^(?:[a-z0-9]+-)?kubepods-(?:(?P<qos>burstable|besteffort)-)?pod(?P<uid>[0-9a-fA-F_-]{8,})\.slice$"
+)
+_POD_DIR = re.compile(r"^pod(?P<uid>[0-9a-fA-F-]{8,})$")
+_QOS_DIRS = {"burstable", "besteffort"}
+_CONTAINERD_NAMESPACE_DIRS = {"default", "k8s.io", "moby", "containerd", "buildkit"}
+_UNIT = re.compile(r"^(?P<name>.+)\.(?P<kind>service|scope|slice)$")
+
+
+def normalize_pod_uid(uid: str) -> str:
+    """Pod UID in its API form: lower case with dashes (the systemd driver writes '_')."""
+    return uid.replace("_", "-").lower()
+
+
+def split_components(path: str) -> list[str]:
+    """Path components, with the containerd colon form split in two."""
+    out: list[str] = []
+    for comp in path.split("/"):
+        if not comp or comp == ".":
+            continue
+        m = _COLON_FORM.match(comp)
+        if m:
+            out.append(m.group("slice"))
+            out.append(f"{m.group('prefix')}:{m.group('id')}")
+        else:
+            out.append(comp)
+    return out
+
+
+def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
+    """(runtime, container id, role) if component i names a container."""
+    comp = comps[i]
+    if ":" in comp:
+        prefix, _, cid = comp.partition(":")
+        if prefix in _COLON_RUNTIME and _BARE_ID.match(cid):
+            return _COLON_RUNTIME[prefix], cid, "container"
+    if comp[0] in "dcnlr":  # cheap prefilter: every rule starts with one of these letters
+        for rule in _RULES:
+            m = rule.pattern.match(comp)
+            if m:
+                return rule.runtime, m.group("id"), rule.role
+    if _BARE_ID.match(comp):
+        parent = comps[i - 1] if i > 0 else ""
+        if parent == "docker":
+            return DOCKER, comp, "container"  # docker, cgroupfs driver: /docker/<id>
+        if _POD_DIR.match(parent) or _POD_SLICE.match(parent):
+            return KUBEPODS, comp, "container"  # kubelet cgroupfs: /kubepods/<qos>/pod<uid>/<id>
+        if parent in _CONTAINERD_NAMESPACE_DIRS:
+            return CONTAINERD, comp, "container"  # ctr/nerdctl cgroupfs: /<namespace>/<id>
+        if parent == "libpod_parent":
+            return PODMAN, comp, "container"
+        return UNKNOWN, comp, "container"  # a 64-hex leaf is a container id in every runtime
+    return None
+
+
+def _match_pod(comps: list[str], i: int) -> tuple[str, str] | None:
+    """(pod uid, qos class) if component i is a pod cgroup."""
+    comp = comps[i]
+    if "pod" not in comp:
+        return None
+    m = _POD_SLICE.match(comp)
+    if m:
+        return normalize_pod_uid(m.group("uid")), m.group("qos") or "guaranteed"
+    m = _POD_DIR.match(comp)
+    if m and any(c == "kubepods" or c.startswith("kubepods") for c in comps[:i]):
+        parent = comps[i - 1] if i > 0 else ""
+        qos = parent if parent in _QOS_DIRS else "guaranteed"
+        return normalize_pod_uid(m.group("uid")), qos
+    return None
+
+
+def normalize_path(path: str) -> str:
+    """'/'-rooted path without a trailing slash; empty or garbage becomes '/'."""
+    path = path.strip()
+    if not path.startswith("/"):
+        path = "/" + path
+    if len(path) > 1:
+        path = path.rstrip("/") or "/"
+    return path
+
+
+@lru_cache(maxsize=8192)
+def parse_cgroup_path(path: str) -> ContainerIdentity:
+    """Identity from a cgroup path alone: runtime, container id, pod uid and QoS class.
+
+    Never raises and never returns None: unknown paths come back as runtime "unknown" (or
+    "systemd" for units) with the raw path, the root as the host identity.
+    """
+    path = normalize_path(path)
+    if path == "/":
+        return HOST_IDENTITY
+    comps = split_components(path)
+    container: tuple[str, str, str] | None = None
+    container_at = -1
+    for i in range(len(comps) - 1, -1, -1):
+        container = _match_container(comps, i)
+        if container:
+            container_at = i
+            break
+    pod: tuple[str, str] | None = None
+    pod_at = -1
+    for i in range(len(comps) - 1, -1, -1):
+        pod = _match_pod(comps, i)
+        if pod:
+            pod_at = i
+            break
+    if pod_at > container_at:
+        # A pod-level cgroup (no container below it in this path): belongs to the pod.
+        assert pod is not None
+        return ContainerIdentity(runtime=KUBEPODS, cgroup_path=path, pod_uid=pod[0], qos_class=pod[1])
+    if container is not None:
+        runtime, cid, role = container
+        pod_uid, qos = pod if pod is not None else ("", "")
+        labels: tuple[tuple[str, str], ...] = (("role", role),) if role != "container" else ()
+        return ContainerIdentity(
+            runtime=runtime,
+            cgroup_path=path,
+            container_id=cid,
+            pod_uid=pod_uid,
+            qos_class=qos,
+            labels=labels,
+        )
+    for comp in reversed(comps):
+        m = _UNIT.match(comp)
+        if m:
+            name = m.group("name")
+            return ContainerIdentity(runtime=SYSTEMD, cgroup_path=path, container_name=name)
+    return ContainerIdentity(runtime=UNKNOWN, cgroup_path=path)
