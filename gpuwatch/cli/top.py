@@ -1,0 +1,124 @@
+"""`gpuwatch top`: live terminal view of the GPUs and the containers on them.
+
+Live mode paints a curses screen (gpuwatch/tui/screen.py). `--once` prints one plain
+table (or with `--json` one JSON document) for scripts; that is also what happens when
+stdout is not a terminal. The sampler (and so NVML) is imported only when needed, so
+`gpuwatch top --help` and `--snapshot-file` work on machines without a GPU driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from gpuwatch.errors import GpuwatchError, NvmlUnavailable
+from gpuwatch.model import Snapshot
+from gpuwatch.tui import jsondoc
+from gpuwatch.tui.render import NVML_FIX, nvml_down_text, plain_table
+from gpuwatch.tui.sources import FileSource, SamplerSource, SnapshotSource
+from gpuwatch.tui.state import SortKey, ViewState, filter_snapshot
+
+ONCE_SETTLE_MAX_S = 0.5
+"""With --once: the wait between the two sampler sweeps that utilisation is computed over."""
+
+
+def nvml_missing_message(err: GpuwatchError) -> str:
+    return f"NVML not found ({err.message}): {NVML_FIX}"
+
+
+def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s: float,
+                node: str | None) -> SnapshotSource:
+    """The Snapshot source for this run: a saved document, or the live sampler."""
+    if snapshot_file is not None:
+        return FileSource(snapshot_file)
+    try:
+        sampler_module = importlib.import_module("gpuwatch.sampler")
+    except ImportError as err:
+        raise click.ClickException(f"the gpuwatch sampler cannot be loaded: {err}") from err
+    try:
+        sampler = sampler_module.build_sampler(nvml_library=nvml_library, interval_s=interval_s,
+                                               node=node or socket.gethostname())
+    except NvmlUnavailable as err:
+        raise click.ClickException(nvml_missing_message(err)) from err
+    return SamplerSource(sampler)
+
+
+def take_once(source: SnapshotSource, settle_s: float, live: bool) -> Snapshot:
+    """One Snapshot for --once. A live sampler needs two sweeps for utilisation."""
+    snapshot = source.next_snapshot()
+    if live:
+        time.sleep(settle_s)
+        snapshot = source.next_snapshot()
+    return snapshot
+
+
+@click.command("top")
+@click.option("--interval", "-d", "interval_s", type=click.FloatRange(min=0.05), default=1.0,
+              show_default=True, help="Refresh interval in seconds (+/- change it live).")
+@click.option("--once", is_flag=True,
+              help="Print one plain-text table and exit (implied when stdout is not a terminal).")
+@click.option("--json", "as_json", is_flag=True,
+              help="With --once: print one JSON document (node, time, devices, containers with "
+                   "identity, processes with host and container PIDs, pods, namespaces).")
+@click.option("--filter", "filter_text", default="", metavar="TEXT",
+              help="Only containers whose namespace, pod, container name or id contains TEXT.")
+@click.option("--sort", "sort_key", type=click.Choice([k.value for k in SortKey]), default="memory",
+              show_default=True, help="Sort containers by this key (`s` cycles it live).")
+@click.option("--reverse", is_flag=True, help="Reverse the sort order (`r` live).")
+@click.option("--flat", is_flag=True, help="One list of containers instead of grouping them per GPU.")
+@click.option("--nvml-library", envvar="GPUWATCH_NVML_LIBRARY", default=None, metavar="PATH",
+              help="Path to libnvidia-ml.so.1 (env GPUWATCH_NVML_LIBRARY); e.g. the simulated "
+                   "node's library printed by `gpuwatch sim up`.")
+@click.option("--node", default=None, help="Node name to show (default: this host's name).")
+@click.option("--snapshot-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              hidden=True, help="Show a saved `--once --json` document, re-read every refresh.")
+def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key: str, reverse: bool,
+        flat: bool, nvml_library: str | None, node: str | None, snapshot_file: Path | None) -> None:
+    """Live terminal view of GPUs and the containers on them.
+
+    Per GPU: memory (bar), utilisation, temperature, power; per container: namespace, pod,
+    container, GPU memory, SM share and cumulative kernel seconds. Enter on a container
+    shows its processes with host and container PIDs. Press h for all keys.
+    """
+    state = ViewState(sort_key=SortKey(sort_key), reverse=reverse, filter_text=filter_text,
+                      group_by_gpu=not flat, interval_s=interval_s)
+    if as_json:
+        once = True
+    if not once and not sys.stdout.isatty():
+        click.echo("gpuwatch top: stdout is not a terminal; printing one table (as with --once)", err=True)
+        once = True
+
+    source = open_source(snapshot_file, nvml_library, interval_s, node)
+    try:
+        if once:
+            snapshot = take_once(source, min(interval_s, ONCE_SETTLE_MAX_S), live=snapshot_file is None)
+        else:
+            _run_live(source, state)
+            return
+    finally:
+        source.close()
+
+    if as_json:
+        click.echo(jsondoc.dumps(filter_snapshot(snapshot, filter_text)))
+    elif snapshot.gpu_up or snapshot.devices:
+        click.echo(plain_table(snapshot, state), nl=False)
+    if not snapshot.gpu_up:
+        click.echo(f"gpuwatch top: {nvml_down_text(snapshot)}", err=True)
+        sys.exit(1)
+
+
+def _run_live(source: SnapshotSource, state: ViewState) -> None:
+    import curses
+
+    from gpuwatch.tui.screen import run_screen
+
+    try:
+        run_screen(source, state)
+    except curses.error as err:
+        raise click.ClickException(
+            f"cannot start the terminal view ({err}); check TERM, or use --once for plain output") from err

@@ -1,0 +1,233 @@
+"""Snapshot <-> JSON document (pure; no I/O).
+
+The document is what `gpuwatch top --once --json` prints, what `--snapshot-file` reads,
+and what the agent may serve as /snapshot.json. It carries every Snapshot field, so
+`loads(dumps(s)) == s`. Layout (version 1)::
+
+    {"format": "gpuwatch.snapshot/1", "node": ..., "time": "2026-11-22T18:00:00.000Z",
+     "timestamp_s": ..., "gpu_up": ..., "gpu_error": ..., "simulated": ...,
+     "devices": [{index, uuid, name, memory_total_bytes, ...}],
+     "containers": [{"identity": {runtime, cgroup_path, container_id, container_name,
+                                  pod_name, pod_namespace, pod_uid, ...},
+                     "gpu_index", "gpu_uuid", "memory_bytes", "sm_utilization_ratio",
+                     "kernel_seconds_total",
+                     "processes": [{pid (host), container_pid, comm, memory_bytes, ...}],
+                     "probe": {...} | null}],
+     "pods": [...], "namespaces": [...], "probe_counters": [...], "notes": [...]}
+
+Readers ignore unknown keys and use defaults for optional ones, so older documents and
+newer writers interoperate. Non-finite floats (NaN/inf) are written as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.model import (
+    ContainerIdentity,
+    ContainerUsage,
+    DeviceInfo,
+    GroupUsage,
+    ProbeCounters,
+    ProcessUsage,
+    Snapshot,
+)
+
+FORMAT = "gpuwatch.snapshot/1"
+
+T = TypeVar("T")
+
+
+class SnapshotDocError(GpuwatchError):
+    """A snapshot JSON document is malformed."""
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def _num(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _flat(obj: Any) -> dict[str, Any]:
+    """Fields of a flat dataclass (primitives only) as a dict."""
+    return {f.name: _num(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _probe_to_dict(probe: ProbeCounters) -> dict[str, Any]:
+    out = _flat(probe)
+    out["ioctl_calls_by_op"] = dict(probe.ioctl_calls_by_op)
+    out["allocated_bytes_by_gpu"] = {str(gpu): n for gpu, n in probe.allocated_bytes_by_gpu}
+    return out
+
+
+def _identity_to_dict(ident: ContainerIdentity) -> dict[str, Any]:
+    out = _flat(ident)
+    out["labels"] = [list(pair) for pair in ident.labels]
+    out["is_container"] = ident.is_container
+    out["display_name"] = ident.display_name
+    return out
+
+
+def _container_to_dict(usage: ContainerUsage) -> dict[str, Any]:
+    return {
+        "identity": _identity_to_dict(usage.identity),
+        "gpu_index": usage.gpu_index,
+        "gpu_uuid": usage.gpu_uuid,
+        "memory_bytes": usage.memory_bytes,
+        "sm_utilization_ratio": _num(usage.sm_utilization_ratio),
+        "kernel_seconds_total": _num(usage.kernel_seconds_total),
+        "processes": [_flat(p) for p in usage.processes],
+        "probe": _probe_to_dict(usage.probe) if usage.probe is not None else None,
+    }
+
+
+def iso_time(timestamp_s: float) -> str:
+    """Unix seconds -> '2026-11-22T18:00:00.000Z' (UTC, milliseconds)."""
+    if not math.isfinite(timestamp_s):
+        return ""
+    try:
+        moment = datetime.fromtimestamp(timestamp_s, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return ""
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """The JSON-ready document for one Snapshot (plain dicts, lists, str, numbers)."""
+    return {
+        "format": FORMAT,
+        "node": snapshot.node,
+        "time": iso_time(snapshot.timestamp_s),
+        "timestamp_s": _num(snapshot.timestamp_s),
+        "interval_s": _num(snapshot.interval_s),
+        "cycle_seconds": _num(snapshot.cycle_seconds),
+        "simulated": snapshot.simulated,
+        "gpu_up": snapshot.gpu_up,
+        "gpu_error": snapshot.gpu_error,
+        "probes_up": snapshot.probes_up,
+        "devices": [_flat(d) for d in snapshot.devices],
+        "containers": [_container_to_dict(c) for c in snapshot.containers],
+        "pods": [_flat(g) for g in snapshot.pods],
+        "namespaces": [_flat(g) for g in snapshot.namespaces],
+        "probe_counters": [_probe_to_dict(p) for p in snapshot.probe_counters],
+        "notes": list(snapshot.notes),
+    }
+
+
+def dumps(snapshot: Snapshot, indent: int | None = 2) -> str:
+    """The JSON text of `snapshot` (strict JSON: no NaN)."""
+    return json.dumps(snapshot_to_dict(snapshot), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _expect_dict(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SnapshotDocError(f"snapshot document: {where} must be an object, got {type(value).__name__}",
+                               fix="produce the file with `gpuwatch top --once --json`")
+    return value
+
+
+def _expect_list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SnapshotDocError(f"snapshot document: {where} must be a list, got {type(value).__name__}",
+                               fix="produce the file with `gpuwatch top --once --json`")
+    return value
+
+
+def _flat_from(cls: type[T], data: Any, where: str, **overrides: Any) -> T:
+    """Build a flat dataclass from `data`, using defaults for missing optional fields."""
+    data = _expect_dict(data, where)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif f.name in data:
+            kwargs[f.name] = data[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SnapshotDocError(f"snapshot document: {where} lacks required field {f.name!r}",
+                                   fix="produce the file with `gpuwatch top --once --json`")
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise SnapshotDocError(f"snapshot document: {where}: {err}") from err
+
+
+def _nan_if_none(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _probe_from(data: Any, where: str) -> ProbeCounters:
+    data = _expect_dict(data, where)
+    ioctl = _expect_dict(data.get("ioctl_calls_by_op") or {}, f"{where}.ioctl_calls_by_op")
+    alloc = _expect_dict(data.get("allocated_bytes_by_gpu") or {}, f"{where}.allocated_bytes_by_gpu")
+    return _flat_from(ProbeCounters, data, where,
+                      ioctl_calls_by_op=tuple((str(k), int(v)) for k, v in ioctl.items()),
+                      allocated_bytes_by_gpu=tuple((int(k), int(v)) for k, v in alloc.items()))
+
+
+def _identity_from(data: Any, where: str) -> ContainerIdentity:
+    data = _expect_dict(data, where)
+    labels = tuple((str(k), str(v)) for k, v in _expect_list(data.get("labels"), f"{where}.labels"))
+    return _flat_from(ContainerIdentity, data, where, labels=labels)
+
+
+def _container_from(data: Any, where: str) -> ContainerUsage:
+    data = _expect_dict(data, where)
+    processes = tuple(_flat_from(ProcessUsage, p, f"{where}.processes[{i}]")
+                      for i, p in enumerate(_expect_list(data.get("processes"), f"{where}.processes")))
+    probe = data.get("probe")
+    return _flat_from(
+        ContainerUsage, data, where,
+        identity=_identity_from(data.get("identity"), f"{where}.identity"),
+        processes=processes,
+        probe=_probe_from(probe, f"{where}.probe") if probe is not None else None,
+        sm_utilization_ratio=_nan_if_none(data.get("sm_utilization_ratio", 0.0)),
+        kernel_seconds_total=_nan_if_none(data.get("kernel_seconds_total", 0.0)),
+    )
+
+
+def snapshot_from_dict(data: Any) -> Snapshot:
+    """Inverse of `snapshot_to_dict`; raises SnapshotDocError naming the bad field."""
+    data = _expect_dict(data, "document")
+    fmt = data.get("format", FORMAT)
+    if not isinstance(fmt, str) or not fmt.startswith("gpuwatch.snapshot/"):
+        raise SnapshotDocError(f"not a gpuwatch snapshot document (format {fmt!r})",
+                               fix="produce the file with `gpuwatch top --once --json`")
+
+    def items(name: str) -> list[Any]:
+        return _expect_list(data.get(name), name)
+
+    return _flat_from(
+        Snapshot, data, "document",
+        timestamp_s=_nan_if_none(data.get("timestamp_s", 0.0)),
+        devices=tuple(_flat_from(DeviceInfo, d, f"devices[{i}]") for i, d in enumerate(items("devices"))),
+        containers=tuple(_container_from(c, f"containers[{i}]") for i, c in enumerate(items("containers"))),
+        pods=tuple(_flat_from(GroupUsage, g, f"pods[{i}]") for i, g in enumerate(items("pods"))),
+        namespaces=tuple(_flat_from(GroupUsage, g, f"namespaces[{i}]")
+                         for i, g in enumerate(items("namespaces"))),
+        probe_counters=tuple(_probe_from(p, f"probe_counters[{i}]")
+                             for i, p in enumerate(items("probe_counters"))),
+        notes=tuple(str(n) for n in items("notes")),
+    )
+
+
+def loads(text: str) -> Snapshot:
+    """Parse a JSON document into a Snapshot; malformed JSON becomes SnapshotDocError."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SnapshotDocError(f"snapshot document is not valid JSON: {err}",
+                               fix="produce the file with `gpuwatch top --once --json`") from err
+    return snapshot_from_dict(data)

@@ -1,0 +1,79 @@
+"""Where `gpuwatch top` gets Snapshots: the live sampler, or a saved JSON document.
+
+Both implement `SnapshotSource`; the screen and `--once` only call `next_snapshot()` and
+`close()`. The sampler is imported lazily so `gpuwatch top --snapshot-file` (and
+`--help`) work on machines without NVML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.model import Snapshot
+from gpuwatch.tui.jsondoc import SnapshotDocError, loads
+
+
+class SnapshotSource(Protocol):
+    def next_snapshot(self) -> Snapshot:
+        """A fresh Snapshot (one sample sweep, or one re-read of a file)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (NVML handles, threads). Idempotent."""
+        ...
+
+
+class FileSource:
+    """Re-reads a `gpuwatch top --once --json` document on every refresh.
+
+    If the file becomes unreadable after a good read (being rewritten, deleted), the last
+    good Snapshot is returned with a note saying so, rather than ending the view.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last: Snapshot | None = None
+
+    def next_snapshot(self) -> Snapshot:
+        try:
+            snapshot = loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SnapshotDocError) as err:
+            if self._last is None:
+                raise SnapshotDocError(f"cannot read snapshot file {self.path}: {err}",
+                                       fix="write it with `gpuwatch top --once --json > FILE`") from err
+            note = f"snapshot file unreadable, showing the last good read: {err}"
+            return dataclasses.replace(self._last, notes=(note, *self._last.notes))
+        self._last = snapshot
+        return snapshot
+
+    def close(self) -> None:
+        return None
+
+
+class SamplerSource:
+    """One sampler sweep per refresh (`run_once`), driven by the view's own interval.
+
+    The view calls it at its refresh interval instead of starting the sampler's thread, so
+    `+`/`-` change the interval directly and `top` runs no extra thread.
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self._closed = False
+
+    def next_snapshot(self) -> Snapshot:
+        snapshot = self.sampler.run_once()
+        if not isinstance(snapshot, Snapshot):
+            raise GpuwatchError(f"sampler returned {type(snapshot).__name__}, not a Snapshot")
+        return snapshot
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        close = getattr(self.sampler, "close", None) or getattr(self.sampler, "stop", None)
+        if callable(close):
+            close()
