@@ -1,0 +1,268 @@
+/* gpuwatch.h — the single definition of every key, value, event and context layout shared
+ * by the kernel programs (the .bpf.c files here) and user space (mirrored with ctypes in
+ * gpuwatch/probes/layout.py; tests/unit/test_probes_layout.py compiles this header and checks
+ * every size and offset against the mirror).
+ *
+ * Rules: fixed-width types only, explicit padding, no pointers (user addresses are __u64).
+ * BPF code never dereferences kernel structs: it reads tracepoint arguments (the gw_sys_*
+ * contexts below, whose layout is the stable syscall-tracepoint ABI), uprobe registers and
+ * helpers only.
+ */
+#ifndef GPUWATCH_H
+#define GPUWATCH_H
+
+#include <linux/types.h>
+
+/* ---- bounds (all maps are bounded; overflow is counted in gw_stats) -------------------- */
+#ifndef GW_MAX_FDS
+#define GW_MAX_FDS 8192          /* tracked (tgid, fd) device descriptors */
+#endif
+#ifndef GW_MAX_TGIDS
+#define GW_MAX_TGIDS 4096        /* processes with GPU state */
+#endif
+#ifndef GW_MAX_CGROUPS
+#define GW_MAX_CGROUPS 4096      /* cgroups with counters */
+#endif
+#ifndef GW_MAX_RM_ALLOCS
+#define GW_MAX_RM_ALLOCS 65536   /* live (tgid, hRoot, hObject) video-memory objects */
+#endif
+#ifndef GW_MAX_CUDA_ALLOCS
+#define GW_MAX_CUDA_ALLOCS 65536 /* live (tgid, ptr) CUDA allocations */
+#endif
+#ifndef GW_MAX_INFLIGHT
+#define GW_MAX_INFLIGHT 4096     /* syscalls / uprobe calls between entry and return, per tid */
+#endif
+#ifndef GW_RINGBUF_PAGES
+#define GW_RINGBUF_PAGES 16      /* rare events only */
+#endif
+
+#define GW_PREFIX_MAX 112        /* device path prefix, bytes (config map) */
+#define GW_PATH_MAX 128          /* bytes of an opened path that are inspected */
+#define GW_DEV_SLOTS 17          /* GPU minors 0..15, slot 16 = device unknown */
+#define GW_DEV_UNKNOWN 16
+#define GW_DEV_CUDA 0xFFFFu      /* gw_mem_key.device for CUDA-API (uprobe) accounting */
+
+/* ---- device kinds (what an opened path under the prefix is) ---------------------------- */
+#define GW_KIND_CTL 1            /* <prefix>ctl */
+#define GW_KIND_GPU 2            /* <prefix>N */
+#define GW_KIND_UVM 3            /* <prefix>-uvm, <prefix>-uvm-tools */
+#define GW_KIND_OTHER 4          /* anything else under the prefix (modeset, caps...) */
+
+/* ---- NVIDIA ioctl ABI (open-gpu-kernel-modules) ----------------------------------------- */
+#define GW_NV_IOCTL_MAGIC 0x46   /* 'F' */
+#define GW_NV_ESC_RM_ALLOC_MEMORY 0x27
+#define GW_NV_ESC_RM_ALLOC_OBJECT 0x28
+#define GW_NV_ESC_RM_FREE 0x29
+#define GW_NV_ESC_RM_CONTROL 0x2A
+#define GW_NV_ESC_RM_ALLOC 0x2B
+#define GW_NV_ESC_IOCTL_XFER_CMD 211
+#define GW_NVOS21_SIZE 32
+#define GW_NVOS64_SIZE 48
+#define GW_NVOS00_SIZE 16
+#define GW_NV01_DEVICE_0 0x80
+#define GW_NV01_MEMORY_LOCAL_USER 0x40
+#define GW_NV01_MEMORY_LOCAL_PHYSICAL 0xC2
+#define GW_NV_MEMORY_PARAMS_SIZE_OFFSET 64
+
+/* ---- CUDA ------------------------------------------------------------------------------ */
+#define GW_CUDA_SUCCESS 0
+#define GW_CUDA_ERROR_OUT_OF_MEMORY 2
+#define GW_CUDA_FN_ALLOC 1           /* cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocAsync */
+#define GW_CUDA_FN_ALLOC_PITCH 2     /* cuMemAllocPitch_v2: bytes = *pPitch * Height */
+#define GW_CUDA_FN_CREATE 3          /* cuMemCreate: key is the generic allocation handle */
+
+/* ---- rare events (ring buffer) --------------------------------------------------------- */
+#define GW_EV_NEW_GPU_PROCESS 1
+#define GW_EV_OOM 2                  /* CUDA_ERROR_OUT_OF_MEMORY returned / RM alloc failed */
+#define GW_EV_OVER_LIMIT 3           /* allocation that would exceed the cgroup's limit */
+#define GW_EV_KILL 4                 /* bpf_send_signal(SIGKILL) sent for an over-limit alloc */
+/* verbose events: compiled in only with -DGW_VERBOSE_EVENTS=1 (gpuwatch trace) */
+#define GW_EV_DEVICE_OPEN 10
+#define GW_EV_ALLOC 11
+#define GW_EV_FREE 12
+#define GW_EV_PROCESS_EXIT 13
+
+#define GW_SRC_RM 1                  /* gw_event.source: decoded driver ioctl */
+#define GW_SRC_CUDA 2                /* libcuda uprobe */
+
+/* ---- limit actions (gw_limit.action) ---------------------------------------------------- */
+#define GW_ACTION_EVENT 0
+#define GW_ACTION_KILL 1
+
+/* ---- stats map indices (gw_stats, array of __u64) --------------------------------------- */
+#define GW_STAT_FD_OVERFLOW 0
+#define GW_STAT_TGID_OVERFLOW 1
+#define GW_STAT_CGROUP_OVERFLOW 2
+#define GW_STAT_RM_ALLOC_OVERFLOW 3
+#define GW_STAT_CUDA_ALLOC_OVERFLOW 4
+#define GW_STAT_INFLIGHT_OVERFLOW 5
+#define GW_STAT_RM_FREE_UNMATCHED 6
+#define GW_STAT_CUDA_FREE_UNMATCHED 7
+#define GW_STAT_EVENTS_DROPPED 8
+#define GW_STAT_EXITS 9
+#define GW_STAT_READ_FAULTS 10
+#define GW_STAT_COUNT 11
+
+/* ---- syscall tracepoint contexts (stable ABI: 8-byte common header, nr, args at 16+8i) -- */
+struct gw_sys_enter_args {
+    __u64 common;               /* common_type/flags/preempt_count/pid */
+    __s32 syscall_nr;
+    __u32 pad;
+    __u64 args[6];
+};
+
+struct gw_sys_exit_args {
+    __u64 common;
+    __s32 syscall_nr;
+    __u32 pad;
+    __s64 ret;
+};
+
+/* ---- configuration (array map gw_config, one element; written before attaching) --------- */
+struct gw_config {
+    __u32 prefix_len;
+    __u32 flags;
+    char prefix[GW_PREFIX_MAX];
+};
+
+/* ---- per-CPU scratch for an opened path -------------------------------------------------- */
+struct gw_path {
+    char buf[GW_PATH_MAX];
+};
+
+/* ---- process state: key __u32 tgid ------------------------------------------------------ */
+struct gw_tgid_state {
+    __u64 cgroup_id;            /* every charge of this process goes to this cgroup */
+    __u64 gen;                  /* unique generation: stale fd/alloc entries never match */
+    __s64 rm_bytes[GW_DEV_SLOTS];   /* live decoded video memory per device slot */
+    __s64 cuda_bytes;           /* live CUDA-API bytes (uprobes) */
+};
+
+/* ---- tracked device descriptors --------------------------------------------------------- */
+struct gw_fd_key {
+    __u32 tgid;
+    __u32 fd;
+};
+
+struct gw_fd_val {
+    __u32 kind;                 /* GW_KIND_* */
+    __u32 minor;                /* N for <prefix>N, else GW_DEV_UNKNOWN */
+    __u64 tgid_gen;             /* gw_tgid_state.gen at open */
+    __u64 fd_gen;               /* unique per open */
+    __s64 rm_bytes[GW_DEV_SLOTS];   /* live bytes allocated through this fd (close frees) */
+};
+
+/* in-flight openat, key __u32 tid */
+struct gw_open_inflight {
+    __u32 kind;
+    __u32 minor;
+};
+
+/* in-flight ioctl on a tracked fd, key __u32 tid */
+struct gw_ioctl_inflight {
+    __u64 params;               /* user address of the (inner) parameter struct */
+    __u64 alloc_bytes;          /* decoded size for a memory-class RM_ALLOC, else 0 */
+    __u32 fd;
+    __u32 nr;                   /* (inner) escape number */
+    __u32 size;                 /* (inner) parameter size */
+    __u32 device;               /* device slot the call targets */
+    __u32 h_class;              /* RM_ALLOC class */
+    __u32 pad;
+};
+
+/* ---- per-cgroup counters ------------------------------------------------------------------ */
+struct gw_ioctl_key {
+    __u64 cgroup_id;
+    __u32 nr;                   /* _IOC_NR, or the inner escape of IOCTL_XFER_CMD */
+    __u32 pad;
+};
+
+struct gw_ioctl_val {           /* per-CPU */
+    __u64 calls;
+    __u64 failures;             /* syscall returned < 0 */
+};
+
+struct gw_mem_key {
+    __u64 cgroup_id;
+    __u32 device;               /* device slot, or GW_DEV_CUDA */
+    __u32 pad;
+};
+
+struct gw_mem_val {
+    __s64 live_bytes;
+    __u64 allocs;
+    __u64 frees;
+    __u64 failures;             /* RM alloc status != 0 / CUDA_ERROR_OUT_OF_MEMORY */
+};
+
+struct gw_launch_val {          /* per-CPU, key __u64 cgroup_id */
+    __u64 kernel_launches;      /* cuLaunchKernel, cuLaunchKernelEx */
+    __u64 graph_launches;       /* cuGraphLaunch */
+};
+
+/* per-cgroup limit (filled by the enforcer), key __u64 cgroup_id */
+struct gw_limit {
+    __u64 limit_bytes;          /* CUDA-API live bytes allowed */
+    __u32 action;               /* GW_ACTION_* */
+    __u32 pad;
+};
+
+/* ---- live allocations --------------------------------------------------------------------- */
+struct gw_rm_key {
+    __u32 tgid;
+    __u32 h_root;
+    __u32 h_object;
+    __u32 pad;
+};
+
+struct gw_rm_val {
+    __u64 bytes;
+    __u64 tgid_gen;
+    __u64 fd_gen;
+    __u32 fd;
+    __u32 device;
+};
+
+struct gw_cuda_key {
+    __u32 tgid;
+    __u32 pad;
+    __u64 ptr;                  /* device pointer or cuMemCreate handle */
+};
+
+struct gw_cuda_val {
+    __u64 bytes;
+    __u64 tgid_gen;
+};
+
+/* in-flight CUDA allocation, key __u32 tid */
+struct gw_cuda_inflight {
+    __u64 out_ptr;              /* user address where the result pointer/handle is written */
+    __u64 bytes;                /* requested bytes (or Height for pitch) */
+    __u64 pitch_ptr;            /* user address of *pPitch (pitch alloc) */
+    __u32 fn;                   /* GW_CUDA_FN_* */
+    __u32 pad;
+};
+
+/* ---- rare event (ring buffer record) ------------------------------------------------------ */
+struct gw_event {
+    __u64 ts_ns;
+    __u64 cgroup_id;
+    __u64 bytes;
+    __u64 value;                /* pointer/handle, limit, or return code */
+    __u32 type;                 /* GW_EV_* */
+    __u32 tgid;
+    __u32 tid;
+    __u32 device;
+    __u32 source;               /* GW_SRC_* */
+    __u32 kind;                 /* device kind for DEVICE_OPEN */
+    char comm[16];
+};
+
+/* ---- device-handle map: (tgid, hRoot, hDevice) -> device index (class 0x80 allocs) ------- */
+struct gw_devh_val {
+    __u32 device;
+    __u32 pad;
+    __u64 tgid_gen;
+};
+
+#endif /* GPUWATCH_H */

@@ -1,0 +1,35 @@
+/* lifecycle.bpf.c — process exit (sched:sched_process_exit).
+ *
+ * When a thread-group leader with GPU state exits, subtract its per-device totals from its
+ * cgroup (no iteration over allocation maps: the totals are kept per tgid) and drop its
+ * state; its fd/allocation entries become stale (generation mismatch) and user space sweeps
+ * them. Every exiting thread drops its in-flight records. */
+
+int gw_sched_exit(void *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id, tgid = id >> 32;
+    struct gw_tgid_state *st = gw_tgids.lookup(&tgid);
+    if (!st)
+        return 0;
+    gw_ioctlinf.delete(&tid);
+    gw_openinf.delete(&tid);
+    gw_cudainf.delete(&tid);
+    if (tid != tgid)
+        return 0;
+    u64 cg = st->cgroup_id;
+#pragma unroll
+    for (int d = 0; d < GW_DEV_SLOTS; d++) {
+        s64 b = st->rm_bytes[d];
+        if (b != 0)
+            gw_mem_account(cg, d, -b, GW_MEM_RELEASE);
+    }
+    if (st->cuda_bytes != 0)
+        gw_mem_account(cg, GW_DEV_CUDA, -st->cuda_bytes, GW_MEM_RELEASE);
+    gw_tgids.delete(&tgid);
+    gw_stat(GW_STAT_EXITS);
+#if GW_VERBOSE_EVENTS
+    gw_emit(GW_EV_PROCESS_EXIT, cg, 0, 0, GW_DEV_UNKNOWN, 0, 0);
+#endif
+    return 0;
+}
