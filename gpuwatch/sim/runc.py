@@ -47,6 +47,7 @@ DEFAULT_CGROUP_PARENT = "/gpuwatch-test"
 LOG_NAME = "stdio.log"
 PID_FILE_NAME = "init.pid"
 START_TIMEOUT_S = 15.0
+SBIN_DIRS = "/usr/local/sbin:/usr/sbin:/sbin"
 
 
 @dataclass
@@ -71,9 +72,12 @@ class ContainerSpec:
     cgroup_path: str | None = None
 
 
-def find_runc() -> str:
-    """Absolute path of the runc binary, or a SimError naming the Debian package."""
-    path = shutil.which("runc") or shutil.which("runc", path="/usr/sbin:/sbin:/usr/local/sbin")
+def find_runc(search_path: str | None = None) -> str:
+    """Absolute path of the runc binary, or a SimError naming the Debian package.
+
+    Looks in $PATH and the sbin dirs (root's PATH may lack them), or only in `search_path`.
+    """
+    path = shutil.which("runc", path=search_path or f"{os.environ.get('PATH', '')}:{SBIN_DIRS}")
     if path is None:
         raise SimError("runc not found", fix="apt-get install runc")
     return path
@@ -162,11 +166,13 @@ class RunningContainer:
         """
         if self._stopped:
             return
+        members = self.pids()
         if self.runtime == "cgroup":
             self._kill_cgroup(timeout_s)
         else:
             self._kill_runc(timeout_s)
         self._wait_cgroup_empty(timeout_s)
+        _wait_reaped(members, timeout_s)
         for directory in self._lab.mounts.all_dirs(self.cgroup_path):
             if not cgroups.remove_dir(directory):
                 raise SimError(f"cgroup {directory} of container {self.name} could not be removed",
@@ -494,6 +500,33 @@ class ContainerLab:
         """atexit hook: best effort, report on stderr rather than raise during shutdown."""
         for error in self._stop_all():
             print(f"gpuwatch sim: cleanup failed: {error}", file=sys.stderr)
+
+
+def _wait_reaped(pids: list[int], timeout_s: float) -> None:
+    """Wait until `pids` are gone from /proc, not only from the cgroup.
+
+    Orphans of a plain-cgroup workload are reaped by the host's init, a moment after they
+    died; a pid still a zombie after `timeout_s` is left to init (it runs nothing).
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(pids)
+    while pending and time.monotonic() < deadline:
+        pending = [pid for pid in pending if _state(pid) is not None]
+        if pending:
+            time.sleep(0.01)
+    alive = [pid for pid in pending if _state(pid) not in (None, "Z", "X")]
+    if alive:
+        raise SimError(f"processes {alive} still run after their cgroup was killed",
+                       fix=f"inspect /proc/{alive[0]}/status")
+
+
+def _state(pid: int) -> str | None:
+    """One-letter process state from /proc/<pid>/stat, None when the pid is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2:].split(" ", 1)[0]
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:

@@ -1,0 +1,234 @@
+"""System tests for gpuwatch.sim.runc: real runc containers and real cgroups on this host.
+
+Each test builds its own ContainerLab with bundle, docker and runc roots under tmp_path,
+so nothing collides with a real containerd/docker/runc or with other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.errors import SimError
+from gpuwatch.sim import cgroups
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+
+MOUNTS = cgroups.detect()
+SLEEP = ["/bin/sleep", "30"]
+
+
+@pytest.fixture
+def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
+    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", docker_root=tmp_path / "docker",
+                      runc_root=tmp_path / "runc") as container_lab:
+        yield container_lab
+
+
+def _wait_for(predicate: object, timeout_s: float = 5.0) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _v2_line(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    raise AssertionError(f"no v2 line in /proc/{pid}/cgroup")
+
+
+def _nspid(pid: int) -> list[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    raise AssertionError("no NSpid line")
+
+
+def _assert_gone(container: RunningContainer, runc_root: Path, pids: list[int]) -> None:
+    """No cgroup dir in any hierarchy, no pod dir, no runc state, no bundle, no process."""
+    for directory in MOUNTS.all_dirs(container.cgroup_path):
+        assert not directory.exists(), directory
+    if container.pod_uid is not None:
+        pod_dir = str(Path(container.cgroup_path).parent)
+        for directory in MOUNTS.all_dirs(pod_dir):
+            assert not directory.exists(), directory
+    assert not (runc_root / container.id).exists()
+    assert not container.bundle_dir.exists()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"pid {pid} still exists"
+
+
+def test_k8s_container_identity_namespaces_and_binds(lab: ContainerLab, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "in.txt").write_text("from-host\n")
+    script = (f"echo mypid=$$; cat {shared}/in.txt; echo from-container > {shared}/out.txt; "
+              "echo ready; exec sleep 30")
+    spec = ContainerSpec(name="trainer", argv=["/bin/sh", "-c", script], namespace="ml", pod="job-0",
+                         extra_binds=[str(shared)], annotations={"gpuwatch.io/policy": "strict"})
+    container = lab.run(spec)
+    _wait_for(lambda: "ready" in container.logs())
+
+    assert len(container.id) == 64
+    assert container.cgroup_path == f"/kubepods/burstable/pod{container.pod_uid}/{container.id}"
+    assert _v2_line(container.host_pid) == container.cgroup_path
+    assert container.host_pid in container.pids()
+    for directory in MOUNTS.all_dirs(container.cgroup_path):  # runc made it in every hierarchy
+        assert container.host_pid in cgroups.read_pids(directory), directory
+    assert _nspid(container.host_pid) == [container.host_pid, 1]
+
+    logs = container.logs()
+    assert "mypid=1\n" in logs
+    assert "from-host" in logs
+    assert (shared / "out.txt").read_text() == "from-container\n"
+
+    config_path = tmp_path / "bundles" / "k8s.io" / container.id / "config.json"
+    assert container.bundle_dir == config_path.parent
+    config = json.loads(config_path.read_text())
+    notes = config["annotations"]
+    assert notes["io.kubernetes.pod.name"] == "job-0"
+    assert notes["io.kubernetes.pod.namespace"] == "ml"
+    assert notes["io.kubernetes.pod.uid"] == container.pod_uid
+    assert notes["io.kubernetes.container.name"] == "trainer"
+    assert notes["io.kubernetes.cri.container-type"] == "container"
+    assert len(notes["io.kubernetes.cri.sandbox-id"]) == 64
+    assert notes["gpuwatch.io/policy"] == "strict"
+    assert config["linux"]["cgroupsPath"] == container.cgroup_path
+
+
+def test_rootfs_and_system_binds_are_read_only(lab: ContainerLab) -> None:
+    script = ("touch /usr/gpuwatch-probe 2>/dev/null && echo usr-writable; "
+              "touch /x 2>/dev/null && echo root-writable; echo done")
+    container = lab.run(ContainerSpec(name="ro", argv=["/bin/sh", "-c", script]))
+    assert container.wait(5) == 0
+    assert container.logs() == "done\n"
+    assert not Path("/usr/gpuwatch-probe").exists()
+
+
+def test_guaranteed_pod_sits_directly_under_kubepods(lab: ContainerLab) -> None:
+    container = lab.run(ContainerSpec(name="g", argv=SLEEP, qos="guaranteed"))
+    assert _v2_line(container.host_pid) == f"/kubepods/pod{container.pod_uid}/{container.id}"
+
+
+def test_exit_status_and_logs(lab: ContainerLab) -> None:
+    container = lab.run(ContainerSpec(name="exit3", argv=["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]))
+    assert container.wait(5) == 3
+    assert "out" in container.logs() and "err" in container.logs()
+    pending = lab.run(ContainerSpec(name="long", argv=SLEEP))
+    assert pending.wait(0.2) is None
+
+
+def test_venv_and_repo_are_bind_mounted(lab: ContainerLab) -> None:
+    container = lab.run(ContainerSpec(name="ver", argv=[sys.executable, "-m", "gpuwatch", "version"]))
+    assert container.wait(8) == 0, container.logs()
+    assert container.logs().startswith("gpuwatch ")
+
+
+def test_docker_style_container(lab: ContainerLab, tmp_path: Path) -> None:
+    container = lab.run(ContainerSpec(name="web", argv=SLEEP, runtime="docker", annotations={"team": "ml"}))
+    assert container.cgroup_path == f"/docker/{container.id}"
+    assert _v2_line(container.host_pid) == container.cgroup_path
+    assert container.bundle_dir == tmp_path / "bundles" / "moby" / container.id
+    document = json.loads((tmp_path / "docker" / "containers" / container.id / "config.v2.json").read_text())
+    assert document["ID"] == container.id
+    assert document["Name"] == "/web"
+    assert document["Config"]["Labels"] == {"team": "ml"}
+    assert document["State"]["Pid"] == container.host_pid
+    container.stop()
+    assert not (tmp_path / "docker" / "containers" / container.id).exists()
+
+
+def test_plain_cgroup_child_is_in_the_cgroup_from_its_first_instruction(lab: ContainerLab) -> None:
+    path = f"/gpuwatch-test/first-{os.getpid()}"
+    # the very first thing the command does is print its cgroup; sh forks cat, so this
+    # also shows children inherit it
+    container = lab.run(ContainerSpec(name="first", argv=["/bin/sh", "-c", "cat /proc/self/cgroup"],
+                                      runtime="cgroup", cgroup_path=path))
+    assert container.wait(5) == 0
+    lines = container.logs().splitlines()
+    assert f"0::{path}" in lines
+    if MOUNTS.v1_controller("freezer") is not None:
+        assert any(line.endswith(f":freezer:{path}") for line in lines), lines
+    container.stop()
+    for directory in MOUNTS.all_dirs(path):
+        assert not directory.exists()
+
+
+def test_plain_cgroup_pids_and_default_path(lab: ContainerLab) -> None:
+    name = f"plain-{os.getpid()}"
+    argv = ["/bin/sh", "-c", "sleep 30 & exec sleep 30"]
+    container = lab.run(ContainerSpec(name=name, argv=argv, runtime="cgroup"))
+    assert container.cgroup_path == f"/gpuwatch-test/{name}"
+    _wait_for(lambda: len(container.pids()) == 2)
+    assert container.host_pid in container.pids()
+    assert _v2_line(container.host_pid) == container.cgroup_path
+    pids = container.pids()
+    container.stop()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists()
+    assert not MOUNTS.v2_dir(container.cgroup_path).exists()
+
+
+def test_stop_leaves_nothing_and_is_idempotent(lab: ContainerLab, tmp_path: Path) -> None:
+    container = lab.run(ContainerSpec(name="bg", argv=["/bin/sh", "-c", "sleep 30 & sleep 31 & wait"]))
+    _wait_for(lambda: len(container.pids()) == 3)
+    pids = container.pids()
+    container.stop()
+    _assert_gone(container, tmp_path / "runc", pids)
+    container.stop()
+    assert lab.containers == []
+
+
+def test_three_containers_at_once_two_in_one_pod(lab: ContainerLab, tmp_path: Path) -> None:
+    a = lab.run(ContainerSpec(name="a", argv=SLEEP, pod="pair"))
+    b = lab.run(ContainerSpec(name="b", argv=SLEEP, pod="pair"))
+    c = lab.run(ContainerSpec(name="c", argv=SLEEP, pod="solo", qos="besteffort"))
+    assert a.pod_uid == b.pod_uid != c.pod_uid
+    assert len({a.id, b.id, c.id}) == 3
+    for container in (a, b, c):
+        assert _v2_line(container.host_pid) == container.cgroup_path
+        assert container.pids() == [container.host_pid]
+    pod_dir = MOUNTS.v2_dir(str(Path(a.cgroup_path).parent))
+    a.stop()
+    assert pod_dir.is_dir()  # b still runs in the pod
+    assert _v2_line(b.host_pid) == b.cgroup_path
+    pids = [b.host_pid, c.host_pid]
+    b.stop()
+    c.stop()
+    for container in (a, b, c):
+        _assert_gone(container, tmp_path / "runc", pids)
+
+
+def test_exception_inside_the_lab_still_cleans_up(tmp_path: Path, runc_required: str) -> None:
+    started: list[RunningContainer] = []
+    with pytest.raises(RuntimeError, match="boom"), \
+            ContainerLab(tmp_path / "w", bundle_root=tmp_path / "b", runc_root=tmp_path / "r",
+                         docker_root=tmp_path / "d") as lab:
+        started.append(lab.run(ContainerSpec(name="k", argv=SLEEP)))
+        started.append(lab.run(ContainerSpec(name="d", argv=SLEEP, runtime="docker")))
+        started.append(lab.run(ContainerSpec(name=f"p{os.getpid()}", argv=SLEEP, runtime="cgroup")))
+        raise RuntimeError("boom")
+    for container in started:
+        _assert_gone(container, tmp_path / "r", [container.host_pid])
+    assert not (tmp_path / "d" / "containers").exists()
+    assert not (tmp_path / "b" / "k8s.io").exists()
+
+
+def test_a_failing_start_cleans_up_and_says_why(lab: ContainerLab, tmp_path: Path) -> None:
+    with pytest.raises(SimError, match="no-such-binary"):
+        lab.run(ContainerSpec(name="bad", argv=["/no-such-binary"]))
+    assert lab.containers == []
+    assert list((tmp_path / "bundles" / "k8s.io").iterdir()) == []
+
+
+def test_missing_bind_source_is_refused(lab: ContainerLab, tmp_path: Path) -> None:
+    with pytest.raises(SimError, match="does not exist"):
+        lab.run(ContainerSpec(name="x", argv=SLEEP, extra_binds=[str(tmp_path / "nope")]))
