@@ -1,0 +1,1463 @@
+/*
+ * gpuwatch-sim fake NVML: libnvidia-ml.so.1 for a simulated GPU node.
+ *
+ * Implements the NVML subset gpuwatch, nvidia-ml-py and nvitop use, with the real ABI
+ * (struct layouts and return codes of nvml.h), over the node's shared state file
+ * (GPUWATCH_SIM_STATE, see simstate.h). Functions that are not implemented are simply
+ * not exported, so callers get the real "function not found" behaviour
+ * (NVMLError_FunctionNotFound in nvidia-ml-py).
+ *
+ * Reported values:
+ *   memory      used = sum of what live processes hold (the stub's ledger), reserved 0;
+ *   processes   host pids (from the liveness locks, see simstate.h); dead ones never;
+ *   utilisation busy time credited by kernel launches over the last second, summed
+ *               over processes and clamped to 100; memory utilisation = gpu / 2;
+ *   temperature 30 C + 0.4 C per utilisation point; power 70 W + 6.3 W per point;
+ *   events      XID / ECC injected with `gpuwatch sim fault`.
+ *
+ * The library also exports a few gpuwatchsim_* helpers (not NVML) that the Python side
+ * uses to create the state file and inject faults, so the layout has one definition.
+ */
+#define _GNU_SOURCE
+#include "simstate.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define API __attribute__((visibility("default")))
+
+typedef int nvmlReturn_t;
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+struct nvml_device {
+    unsigned int index;
+};
+typedef struct nvml_device *nvmlDevice_t;
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+#define nvmlMemory_v2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+
+typedef struct {
+    unsigned long long bar1Total, bar1Free, bar1Used;
+} nvmlBAR1Memory_t;
+
+typedef struct {
+    unsigned int gpu, memory;
+} nvmlUtilization_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t; /* _v2 and _v3 share this layout */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+
+typedef struct {
+    unsigned long long timeStamp;
+    unsigned int pid, smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct {
+    unsigned int version, processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_t;
+#define nvmlProcessesUtilizationInfo_v1 ((unsigned int)(sizeof(nvmlProcessesUtilizationInfo_t) | (1u << 24)))
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t; /* _v3 */
+
+typedef struct {
+    char busId[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    unsigned int reserved0, reserved1, reserved2, reserved3;
+} nvmlPciInfo_v2_t; /* _v1 / _v2 */
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+} nvmlEventData_v1_t;
+
+struct nvml_event_set {
+    uint64_t last_seq;
+    uint64_t types[SIM_MAX_DEVICES]; /* registered event mask per device */
+};
+typedef struct nvml_event_set *nvmlEventSet_t;
+
+_Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t is 40 bytes");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t is 24 bytes");
+_Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t is 68 bytes");
+_Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t is 32 bytes");
+_Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "proc util info 40 bytes");
+
+/* ---- library state ---- */
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_init_count;
+static int g_mapped; /* the state file stays mapped (and its fd open) once opened */
+static struct sim_handle g_sim;
+static struct sim_self g_self;
+static struct nvml_device g_devices[SIM_MAX_DEVICES];
+
+#define UTIL_WINDOW_NS 1000000000ULL
+
+static int dev_index(nvmlDevice_t d)
+{
+    if (!g_init_count || !d)
+        return -1;
+    if (d < &g_devices[0] || d >= &g_devices[SIM_MAX_DEVICES])
+        return -1;
+    int i = (int)(d - &g_devices[0]);
+    if ((unsigned)i >= g_sim.hdr->device_count)
+        return -1;
+    return i;
+}
+
+/* validates the handle; returns the index or a negative NVML error */
+static int check_dev(nvmlDevice_t d)
+{
+    if (!g_init_count)
+        return -NVML_ERROR_UNINITIALIZED;
+    int i = dev_index(d);
+    if (i < 0)
+        return -NVML_ERROR_INVALID_ARGUMENT;
+    if (__atomic_load_n(&g_sim.hdr->devices[i].lost, __ATOMIC_RELAXED))
+        return -NVML_ERROR_GPU_IS_LOST;
+    return i;
+}
+
+#define DEV_OR_RETURN(var, handle)      \
+    int var = check_dev(handle);        \
+    if (var < 0)                        \
+        return -var
+
+static void copy_str(char *dst, unsigned int len, const char *src)
+{
+    if (len == 0)
+        return;
+    snprintf(dst, len, "%s", src);
+}
+
+static nvmlReturn_t put_str(char *dst, unsigned int len, const char *src)
+{
+    if (!dst)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > len)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    copy_str(dst, len, src);
+    return NVML_SUCCESS;
+}
+
+/* ---- init / shutdown ---- */
+
+API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    pthread_mutex_lock(&g_lock);
+    if (!g_mapped) {
+        int rc = sim_open(sim_state_path(), &g_sim);
+        if (rc < 0) {
+            pthread_mutex_unlock(&g_lock);
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+        }
+        for (int i = 0; i < SIM_MAX_DEVICES; i++)
+            g_devices[i].index = (unsigned)i;
+        g_mapped = 1;
+    }
+    sim_self_identity(&g_self);
+    g_init_count++;
+    pthread_mutex_unlock(&g_lock);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+API nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+API nvmlReturn_t nvmlShutdown(void)
+{
+    pthread_mutex_lock(&g_lock);
+    if (!g_init_count) {
+        pthread_mutex_unlock(&g_lock);
+        return NVML_ERROR_UNINITIALIZED;
+    }
+    g_init_count--;
+    pthread_mutex_unlock(&g_lock);
+    return NVML_SUCCESS;
+}
+
+API const char *nvmlErrorString(nvmlReturn_t r)
+{
+    switch (r) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case 4: return "Insufficient Permissions";
+    case 5: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case 13: return "Function Not Found";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+/* ---- system ---- */
+
+API nvmlReturn_t nvmlSystemGetDriverVersion(char *v, unsigned int len)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    return put_str(v, len, g_sim.hdr->driver_version);
+}
+
+API nvmlReturn_t nvmlSystemGetNVMLVersion(char *v, unsigned int len)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    char buf[64];
+    snprintf(buf, sizeof(buf), "12.%s", g_sim.hdr->driver_version);
+    return put_str(v, len, buf);
+}
+
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!v)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *v = (int)g_sim.hdr->cuda_driver_version;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCudaDriverVersion(v); }
+
+API nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int len)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!name || len == 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%u/cmdline", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return NVML_ERROR_NOT_FOUND;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return NVML_ERROR_NOT_FOUND;
+    buf[n] = 0;
+    copy_str(name, len, buf);
+    return NVML_SUCCESS;
+}
+
+/* ---- device enumeration ---- */
+
+API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = g_sim.hdr->device_count;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!dev || index >= g_sim.hdr->device_count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (g_sim.hdr->devices[index].lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    *dev = &g_devices[index];
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *dev)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, dev);
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *dev)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!uuid || !dev)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_sim.hdr->device_count; i++) {
+        if (strcmp(g_sim.hdr->devices[i].uuid, uuid) == 0) {
+            *dev = &g_devices[i];
+            return g_sim.hdr->devices[i].lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *dev)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!serial || !dev)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_sim.hdr->device_count; i++) {
+        if (strcmp(g_sim.hdr->devices[i].serial, serial) == 0) {
+            *dev = &g_devices[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* accepts "00000000:1B:00.0", "0000:1B:00.0" and case variations */
+static int bus_of(const char *id)
+{
+    const char *c = strchr(id, ':');
+    if (!c)
+        return -1;
+    return (int)strtol(c + 1, NULL, 16);
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *id, nvmlDevice_t *dev)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!id || !dev)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int bus = bus_of(id);
+    for (unsigned i = 0; i < g_sim.hdr->device_count; i++) {
+        if ((int)g_sim.hdr->devices[i].pci_bus == bus) {
+            *dev = &g_devices[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *id, nvmlDevice_t *dev)
+{
+    return nvmlDeviceGetHandleByPciBusId_v2(id, dev);
+}
+
+/* ---- identity ---- */
+
+API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
+{
+    DEV_OR_RETURN(i, d);
+    if (!index)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *index = (unsigned)i;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
+{
+    DEV_OR_RETURN(i, d);
+    return put_str(name, len, g_sim.hdr->devices[i].name);
+}
+
+API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len)
+{
+    DEV_OR_RETURN(i, d);
+    return put_str(uuid, len, g_sim.hdr->devices[i].uuid);
+}
+
+API nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t d, char *serial, unsigned int len)
+{
+    DEV_OR_RETURN(i, d);
+    return put_str(serial, len, g_sim.hdr->devices[i].serial);
+}
+
+API nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t d, char *v, unsigned int len)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    return put_str(v, len, "96.00.99.00.01-sim");
+}
+
+API nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t d, char *v, unsigned int len)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    return put_str(v, len, "gpuwatch-sim");
+}
+
+API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor)
+{
+    DEV_OR_RETURN(i, d);
+    if (!minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minor = g_sim.hdr->devices[i].minor;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t d, unsigned int *brand)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!brand)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *brand = 14; /* NVML_BRAND_NVIDIA */
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t d, unsigned int *arch)
+{
+    DEV_OR_RETURN(i, d);
+    if (!arch)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *arch = g_sim.hdr->devices[i].cc_major >= 9 ? 9 /* HOPPER */ : 7 /* AMPERE */;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int *minor)
+{
+    DEV_OR_RETURN(i, d);
+    if (!major || !minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = (int)g_sim.hdr->devices[i].cc_major;
+    *minor = (int)g_sim.hdr->devices[i].cc_minor;
+    return NVML_SUCCESS;
+}
+
+static void fill_pci(int i, unsigned int *domain, unsigned int *bus, unsigned int *device,
+                     unsigned int *dev_id, unsigned int *subsys)
+{
+    *domain = 0;
+    *bus = g_sim.hdr->devices[i].pci_bus;
+    *device = 0;
+    *dev_id = 0x233010deu;  /* H100 SXM5 device id | NVIDIA vendor id */
+    *subsys = 0x16c110deu;
+}
+
+API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci)
+{
+    DEV_OR_RETURN(i, d);
+    if (!pci)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof(*pci));
+    fill_pci(i, &pci->domain, &pci->bus, &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
+    snprintf(pci->busId, sizeof(pci->busId), "%s", g_sim.hdr->devices[i].pci_bus_id);
+    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.0", pci->domain, pci->bus,
+             pci->device);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t d, nvmlPciInfo_v2_t *pci)
+{
+    DEV_OR_RETURN(i, d);
+    if (!pci)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof(*pci));
+    fill_pci(i, &pci->domain, &pci->bus, &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
+    snprintf(pci->busId, sizeof(pci->busId), "%04X:%02X:%02X.0", pci->domain, pci->bus, pci->device);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t d, nvmlPciInfo_v2_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v2(d, pci);
+}
+
+API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t d, unsigned int *v)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!v)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *v = 5;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t d, unsigned int *v)
+{
+    return nvmlDeviceGetCurrPcieLinkGeneration(d, v);
+}
+
+API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!v)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *v = 16;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
+{
+    return nvmlDeviceGetCurrPcieLinkWidth(d, v);
+}
+
+API nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t d, unsigned int counter, unsigned int *v)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    (void)counter;
+    if (!v)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *v = 0; /* KB/s: the simulation moves no data over PCIe */
+    return NVML_SUCCESS;
+}
+
+/* ---- memory ---- */
+
+static uint64_t used_bytes(int i)
+{
+    sim_lock(&g_sim, 0);
+    uint64_t used = sim_device_used_bytes(&g_sim, i, &g_self, 0);
+    sim_unlock(&g_sim);
+    uint64_t total = g_sim.hdr->devices[i].memory_total_bytes;
+    return used > total ? total : used;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
+{
+    DEV_OR_RETURN(i, d);
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t total = g_sim.hdr->devices[i].memory_total_bytes, used = used_bytes(i);
+    m->total = total;
+    m->used = used;
+    m->free = total - used;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
+{
+    DEV_OR_RETURN(i, d);
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (m->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    uint64_t total = g_sim.hdr->devices[i].memory_total_bytes, used = used_bytes(i);
+    m->total = total;
+    m->reserved = 0;
+    m->used = used;
+    m->free = total - used;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *m)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    m->bar1Total = 128ULL << 30;
+    m->bar1Used = 2ULL << 20;
+    m->bar1Free = m->bar1Total - m->bar1Used;
+    return NVML_SUCCESS;
+}
+
+/* ---- processes ---- */
+
+struct live_proc {
+    int host_pid;
+    int slot;
+    uint64_t memory_bytes;
+};
+
+/* live processes with a context or memory on device i; returns how many (<= cap) */
+static unsigned collect_procs(int i, struct live_proc *out, unsigned cap)
+{
+    unsigned n = 0;
+    sim_lock(&g_sim, 0);
+    uint32_t hw = g_sim.hdr->proc_high_water;
+    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS && n < cap; s++) {
+        struct sim_proc *p = &g_sim.hdr->procs[s];
+        if (!p->in_use)
+            continue;
+        if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
+            continue;
+        int pid = sim_slot_owner(&g_sim, (int)s, &g_self);
+        if (pid < 0)
+            continue; /* dead: its memory is gone, as on a real GPU */
+        out[n].host_pid = pid;
+        out[n].slot = (int)s;
+        out[n].memory_bytes = p->memory_bytes[i];
+        n++;
+    }
+    sim_unlock(&g_sim);
+    return n;
+}
+
+static struct live_proc g_scratch[SIM_MAX_PROCS];
+static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static nvmlReturn_t running_processes(nvmlDevice_t d, unsigned int *count, void *infos, int layout)
+{
+    DEV_OR_RETURN(i, d);
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_scratch_lock);
+    unsigned n = collect_procs(i, g_scratch, SIM_MAX_PROCS);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (*count < n || (n > 0 && !infos)) {
+        *count = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned k = 0; k < n; k++) {
+            if (layout == 1) {
+                nvmlProcessInfo_v1_t *a = infos;
+                a[k].pid = (unsigned)g_scratch[k].host_pid;
+                a[k].usedGpuMemory = g_scratch[k].memory_bytes;
+            } else {
+                nvmlProcessInfo_t *a = infos;
+                a[k].pid = (unsigned)g_scratch[k].host_pid;
+                a[k].usedGpuMemory = g_scratch[k].memory_bytes;
+                a[k].gpuInstanceId = 0xffffffffu;
+                a[k].computeInstanceId = 0xffffffffu;
+            }
+        }
+        *count = n;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
+{
+    return running_processes(d, c, p, 3);
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
+{
+    return running_processes(d, c, p, 2);
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
+{
+    return running_processes(d, c, p, 1);
+}
+
+/* the simulated node runs compute work only: graphics and MPS lists are empty */
+static nvmlReturn_t no_processes(nvmlDevice_t d, unsigned int *count)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = 0;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
+{
+    (void)p;
+    return no_processes(d, c);
+}
+
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
+{
+    (void)p;
+    return no_processes(d, c);
+}
+
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
+{
+    (void)p;
+    return no_processes(d, c);
+}
+
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
+{
+    (void)p;
+    return no_processes(d, c);
+}
+
+/* ---- utilisation ---- */
+
+static unsigned device_util_pct(int i, uint64_t from_ns, uint64_t to_ns)
+{
+    uint64_t busy_us = 0;
+    sim_lock(&g_sim, 0);
+    uint32_t hw = g_sim.hdr->proc_high_water;
+    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
+        struct sim_proc *p = &g_sim.hdr->procs[s];
+        if (!p->in_use)
+            continue;
+        /* busy time of a process that died inside the window still counts: it ran */
+        busy_us += sim_slot_busy_us(p, i, from_ns, to_ns);
+    }
+    sim_unlock(&g_sim);
+    uint64_t window_us = (to_ns - from_ns) / 1000;
+    uint64_t pct = window_us ? (busy_us * 100 + window_us / 2) / window_us : 0;
+    return pct > 100 ? 100 : (unsigned)pct;
+}
+
+API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
+{
+    DEV_OR_RETURN(i, d);
+    if (!u)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t now = sim_realtime_ns();
+    unsigned gpu = device_util_pct(i, now - UTIL_WINDOW_NS, now);
+    u->gpu = gpu;
+    u->memory = gpu / 2;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t d, unsigned int *util, unsigned int *period_us)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!util || !period_us)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *util = 0;
+    *period_us = 1000000;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t d, unsigned int *util, unsigned int *period_us)
+{
+    return nvmlDeviceGetEncoderUtilization(d, util, period_us);
+}
+
+struct util_sample {
+    int pid;
+    unsigned sm;
+};
+
+/* per-process SM utilisation over (last_seen_us, now]; history is 6.4 s */
+static unsigned collect_proc_util(int i, unsigned long long last_seen_us, uint64_t now_ns,
+                                  struct util_sample *out, unsigned cap)
+{
+    uint64_t oldest = now_ns - (uint64_t)(SIM_BUCKETS - 1) * SIM_BUCKET_NS;
+    uint64_t from = last_seen_us ? (uint64_t)last_seen_us * 1000ULL : now_ns - UTIL_WINDOW_NS;
+    if (from < oldest)
+        from = oldest;
+    if (from >= now_ns)
+        return 0;
+    uint64_t window_us = (now_ns - from) / 1000;
+    unsigned n = 0;
+    sim_lock(&g_sim, 0);
+    uint32_t hw = g_sim.hdr->proc_high_water;
+    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS && n < cap; s++) {
+        struct sim_proc *p = &g_sim.hdr->procs[s];
+        if (!p->in_use)
+            continue;
+        if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
+            continue;
+        int pid = sim_slot_owner(&g_sim, (int)s, &g_self);
+        if (pid < 0)
+            continue;
+        uint64_t busy = sim_slot_busy_us(p, i, from, now_ns);
+        uint64_t pct = window_us ? (busy * 100 + window_us / 2) / window_us : 0;
+        out[n].pid = pid;
+        out[n].sm = pct > 100 ? 100 : (unsigned)pct;
+        n++;
+    }
+    sim_unlock(&g_sim);
+    return n;
+}
+
+static struct util_sample g_util_scratch[SIM_MAX_PROCS];
+
+API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *samples,
+                                                 unsigned int *count, unsigned long long last_seen_us)
+{
+    DEV_OR_RETURN(i, d);
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t now = sim_realtime_ns();
+    pthread_mutex_lock(&g_scratch_lock);
+    unsigned n = collect_proc_util(i, last_seen_us, now, g_util_scratch, SIM_MAX_PROCS);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (n == 0) {
+        *count = 0;
+        rc = NVML_ERROR_NOT_FOUND; /* what the real driver says when no samples are newer */
+    } else if (!samples || *count < n) {
+        *count = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned k = 0; k < n; k++) {
+            samples[k].pid = (unsigned)g_util_scratch[k].pid;
+            samples[k].timeStamp = now / 1000ULL;
+            samples[k].smUtil = g_util_scratch[k].sm;
+            samples[k].memUtil = g_util_scratch[k].sm / 2;
+            samples[k].encUtil = 0;
+            samples[k].decUtil = 0;
+        }
+        *count = n;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t d, nvmlProcessesUtilizationInfo_t *info)
+{
+    DEV_OR_RETURN(i, d);
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    uint64_t now = sim_realtime_ns();
+    pthread_mutex_lock(&g_scratch_lock);
+    unsigned n = collect_proc_util(i, info->lastSeenTimeStamp, now, g_util_scratch, SIM_MAX_PROCS);
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (n == 0) {
+        info->processSamplesCount = 0;
+        rc = NVML_ERROR_NOT_FOUND;
+    } else if (!info->procUtilArray || info->processSamplesCount < n) {
+        info->processSamplesCount = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned k = 0; k < n; k++) {
+            nvmlProcessUtilizationInfo_v1_t *s = &info->procUtilArray[k];
+            memset(s, 0, sizeof(*s));
+            s->timeStamp = now / 1000ULL;
+            s->pid = (unsigned)g_util_scratch[k].pid;
+            s->smUtil = g_util_scratch[k].sm;
+            s->memUtil = g_util_scratch[k].sm / 2;
+        }
+        info->processSamplesCount = n;
+        info->lastSeenTimeStamp = now / 1000ULL;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    return rc;
+}
+
+/* ---- thermals, power, clocks, modes ---- */
+
+static unsigned current_util(int i)
+{
+    uint64_t now = sim_realtime_ns();
+    return device_util_pct(i, now - UTIL_WINDOW_NS, now);
+}
+
+API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t d, unsigned int sensor, unsigned int *temp)
+{
+    DEV_OR_RETURN(i, d);
+    if (!temp || sensor != 0 /* NVML_TEMPERATURE_GPU */)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = 30 + (current_util(i) * 2) / 5;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t d, unsigned int type, unsigned int *temp)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!temp)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    static const unsigned thresholds[] = {92, 89, 87, 83}; /* shutdown, slowdown, mem max, gpu max */
+    if (type >= sizeof(thresholds) / sizeof(thresholds[0]))
+        return NVML_ERROR_NOT_SUPPORTED;
+    *temp = thresholds[type];
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t d, unsigned int *speed)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    (void)speed;
+    return NVML_ERROR_NOT_SUPPORTED; /* SXM boards have no fan of their own */
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *mw)
+{
+    DEV_OR_RETURN(i, d);
+    if (!mw)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned limit = g_sim.hdr->devices[i].power_limit_mw;
+    unsigned idle = 70000;
+    *mw = idle + (unsigned)((uint64_t)(limit - idle) * current_util(i) / 100);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t d, unsigned int *mw)
+{
+    DEV_OR_RETURN(i, d);
+    if (!mw)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mw = g_sim.hdr->devices[i].power_limit_mw;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t d, unsigned int *mw)
+{
+    return nvmlDeviceGetPowerManagementLimit(d, mw);
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t d, unsigned int *mw)
+{
+    return nvmlDeviceGetPowerManagementLimit(d, mw);
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t d, unsigned int *min_mw,
+                                                              unsigned int *max_mw)
+{
+    DEV_OR_RETURN(i, d);
+    if (!min_mw || !max_mw)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *min_mw = 200000;
+    *max_mw = g_sim.hdr->devices[i].power_limit_mw;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t d, unsigned long long *mj)
+{
+    DEV_OR_RETURN(i, d);
+    if (!mj)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* idle power integrated since the node came up (busy power is not integrated) */
+    uint64_t secs = (sim_realtime_ns() / 1000ULL - g_sim.hdr->created_us) / 1000000ULL;
+    *mj = g_sim.hdr->devices[i].energy_mj_base + secs * 70000ULL;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t d, unsigned int *pstate)
+{
+    DEV_OR_RETURN(i, d);
+    if (!pstate)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *pstate = current_util(i) > 0 ? 0 : 8;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerState(nvmlDevice_t d, unsigned int *pstate)
+{
+    return nvmlDeviceGetPerformanceState(d, pstate);
+}
+
+/* clock types: 0 graphics, 1 SM, 2 memory, 3 video */
+API nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t d, unsigned int type, unsigned int *mhz)
+{
+    DEV_OR_RETURN(i, d);
+    if (!mhz || type > 3)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mhz = type == 2 ? g_sim.hdr->devices[i].mem_clock_max_mhz : g_sim.hdr->devices[i].sm_clock_max_mhz;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t d, unsigned int type, unsigned int *mhz)
+{
+    DEV_OR_RETURN(i, d);
+    if (!mhz || type > 3)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (type == 2) {
+        *mhz = g_sim.hdr->devices[i].mem_clock_max_mhz;
+    } else {
+        *mhz = current_util(i) > 0 ? g_sim.hdr->devices[i].sm_clock_max_mhz : 345;
+    }
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t d, unsigned int *mode)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = 0; /* NVML_COMPUTEMODE_DEFAULT */
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t d, unsigned int *mode)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = 1;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetDisplayMode(nvmlDevice_t d, unsigned int *mode)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = 0;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetDisplayActive(nvmlDevice_t d, unsigned int *mode)
+{
+    return nvmlDeviceGetDisplayMode(d, mode);
+}
+
+API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    (void)current;
+    (void)pending;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t d, unsigned int *is_mig)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *is_mig = 0;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetCurrentDriverModel(nvmlDevice_t d, unsigned int *model)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    (void)model;
+    return NVML_ERROR_NOT_SUPPORTED; /* Windows only, as on real Linux drivers */
+}
+
+/* ---- topology ---- */
+
+/* NVML_TOPOLOGY_INTERNAL 0, SINGLE 10, MULTIPLE 20, HOSTBRIDGE 30, NODE 40, SYSTEM 50.
+ * Layout of the simulated board: pairs (0,1), (2,3)... share a PCIe switch (SINGLE);
+ * the first half of the devices sits on NUMA node 0, the second half on node 1. */
+API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, unsigned int *level)
+{
+    DEV_OR_RETURN(i, a);
+    DEV_OR_RETURN(j, b);
+    if (!level)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned n = g_sim.hdr->device_count, half = (n + 1) / 2;
+    if (i == j)
+        *level = 0;
+    else if (i / 2 == j / 2)
+        *level = 10;
+    else if (((unsigned)i < half) == ((unsigned)j < half))
+        *level = 40;
+    else
+        *level = 50;
+    return NVML_SUCCESS;
+}
+
+/* ---- ECC ---- */
+
+API nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (!current || !pending)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = 1;
+    return NVML_SUCCESS;
+}
+
+/* errorType: 0 corrected, 1 uncorrected; counterType: 0 volatile, 1 aggregate */
+API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, unsigned int error_type, unsigned int counter_type,
+                                             unsigned long long *count)
+{
+    DEV_OR_RETURN(i, d);
+    if (!count || error_type > 1 || counter_type > 1)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct sim_device *dev = &g_sim.hdr->devices[i];
+    if (counter_type == 0)
+        *count = error_type ? dev->ecc_uncorrected_volatile : dev->ecc_corrected_volatile;
+    else
+        *count = error_type ? dev->ecc_uncorrected_aggregate : dev->ecc_corrected_aggregate;
+    return NVML_SUCCESS;
+}
+
+/* ---- events ---- */
+
+#define SUPPORTED_EVENTS (SIM_EVENT_SINGLE_BIT_ECC | SIM_EVENT_DOUBLE_BIT_ECC | SIM_EVENT_XID)
+
+API nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types)
+{
+    int i = dev_index(d);
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !types)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *types = SUPPORTED_EVENTS;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvml_event_set *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NVML_ERROR_UNKNOWN;
+    s->last_seq = __atomic_load_n(&g_sim.hdr->event_seq, __ATOMIC_ACQUIRE);
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set)
+{
+    int i = dev_index(d);
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (types & ~SUPPORTED_EVENTS)
+        return NVML_ERROR_NOT_SUPPORTED;
+    set->types[i] |= types;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t wait_event(nvmlEventSet_t set, nvmlDevice_t *dev, unsigned long long *type,
+                               unsigned long long *data, unsigned int timeout_ms)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t deadline = sim_realtime_ns() + (uint64_t)timeout_ms * 1000000ULL;
+    for (;;) {
+        uint64_t head = __atomic_load_n(&g_sim.hdr->event_seq, __ATOMIC_ACQUIRE);
+        if (head > set->last_seq + SIM_MAX_EVENTS)
+            set->last_seq = head - SIM_MAX_EVENTS; /* overrun: the oldest are gone */
+        while (set->last_seq < head) {
+            uint64_t seq = ++set->last_seq;
+            struct sim_event ev = g_sim.hdr->events[(seq - 1) % SIM_MAX_EVENTS];
+            if (ev.seq != seq || ev.device >= SIM_MAX_DEVICES)
+                continue;
+            if (!(set->types[ev.device] & ev.type))
+                continue;
+            *dev = &g_devices[ev.device];
+            *type = ev.type;
+            *data = ev.data;
+            return NVML_SUCCESS;
+        }
+        uint64_t now = sim_realtime_ns();
+        if (now >= deadline)
+            return NVML_ERROR_TIMEOUT;
+        uint64_t left = deadline - now;
+        struct timespec ts = {0, (long)(left < 5000000ULL ? left : 5000000ULL)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    if (!data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(data, 0, sizeof(*data));
+    nvmlReturn_t rc = wait_event(set, &data->device, &data->eventType, &data->eventData, timeout_ms);
+    data->gpuInstanceId = data->computeInstanceId = 0xffffffffu;
+    return rc;
+}
+
+API nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeout_ms)
+{
+    if (!data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(data, 0, sizeof(*data));
+    return wait_event(set, &data->device, &data->eventType, &data->eventData, timeout_ms);
+}
+
+API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!g_init_count)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+/* ==== gpuwatchsim_* helpers for the Python side (not NVML) ==== */
+
+/* Create (or replace) a node's state file. Returns 0 or -errno. */
+API int gpuwatchsim_create(const char *path, const char *node_name, const char *root, unsigned device_count,
+                           const char *model, unsigned long long memory_bytes, unsigned rm_alloc_params)
+{
+    if (!path || !node_name || !root || !model || device_count == 0 || device_count > SIM_MAX_DEVICES)
+        return -EINVAL;
+    char tmp[SIM_PATH_LEN + 16];
+    snprintf(tmp, sizeof(tmp), "%s.tmp%d", path, (int)getpid());
+    int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -errno;
+    fchmod(fd, 0666);
+    if (ftruncate(fd, (off_t)sizeof(struct sim_header)) < 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        return -e;
+    }
+    struct sim_header *h = mmap(NULL, sizeof(*h), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        return -e;
+    }
+    h->layout_version = SIM_LAYOUT_VERSION;
+    h->device_count = device_count;
+    h->created_us = sim_realtime_ns() / 1000ULL;
+    snprintf(h->node_name, sizeof(h->node_name), "%s", node_name);
+    snprintf(h->root, sizeof(h->root), "%s", root);
+    snprintf(h->driver_version, sizeof(h->driver_version), "550.54.15");
+    h->cuda_driver_version = 12040;
+    h->rm_alloc_params = rm_alloc_params;
+    /* stable, obviously-fake identities derived from the node name */
+    uint32_t seed = 2166136261u;
+    for (const char *c = node_name; *c; c++)
+        seed = (seed ^ (uint8_t)*c) * 16777619u;
+    for (unsigned i = 0; i < device_count; i++) {
+        struct sim_device *d = &h->devices[i];
+        snprintf(d->name, sizeof(d->name), "gpuwatch-sim %s", model);
+        snprintf(d->uuid, sizeof(d->uuid), "GPU-5157%04x-%04x-4000-8000-%012x", seed & 0xffffu, i,
+                 (unsigned)(seed ^ (i * 2654435761u)));
+        snprintf(d->serial, sizeof(d->serial), "SIM%08X%02u", seed, i);
+        d->pci_bus = 0x18 + 0x10 * i;
+        snprintf(d->pci_bus_id, sizeof(d->pci_bus_id), "00000000:%02X:00.0", d->pci_bus);
+        d->memory_total_bytes = memory_bytes;
+        d->minor = i;
+        d->power_limit_mw = 700000;
+        d->cc_major = 9;
+        d->cc_minor = 0;
+        d->sm_clock_max_mhz = 1980;
+        d->mem_clock_max_mhz = 2619;
+    }
+    __atomic_store_n(&h->magic, SIM_MAGIC, __ATOMIC_RELEASE);
+    msync(h, sizeof(*h), MS_SYNC);
+    munmap(h, sizeof(*h));
+    close(fd);
+    if (rename(tmp, path) < 0) {
+        int e = errno;
+        unlink(tmp);
+        return -e;
+    }
+    return 0;
+}
+
+/* Python-side access opens the state file per call; it never holds liveness locks. */
+static int helper_open(const char *path, struct sim_handle *h)
+{
+    return sim_open(path, h);
+}
+
+static void helper_close(struct sim_handle *h)
+{
+    munmap(h->hdr, sizeof(*h->hdr));
+    close(h->fd);
+}
+
+/* kinds: 0 xid (data = xid), 1 lost, 2 ecc (data = count; uncorrected when flag), 3 clear */
+API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, unsigned long long data,
+                           unsigned uncorrected)
+{
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    if (device >= h.hdr->device_count) {
+        helper_close(&h);
+        return -ENODEV;
+    }
+    struct sim_device *d = &h.hdr->devices[device];
+    uint64_t type = 0;
+    flock(h.fd, LOCK_EX);
+    switch (kind) {
+    case 0:
+        type = SIM_EVENT_XID;
+        break;
+    case 1:
+        __atomic_store_n(&d->lost, 1, __ATOMIC_RELEASE);
+        type = SIM_EVENT_XID;
+        data = 79; /* "GPU has fallen off the bus" */
+        break;
+    case 2:
+        if (uncorrected) {
+            d->ecc_uncorrected_volatile += data;
+            d->ecc_uncorrected_aggregate += data;
+            type = SIM_EVENT_DOUBLE_BIT_ECC;
+        } else {
+            d->ecc_corrected_volatile += data;
+            d->ecc_corrected_aggregate += data;
+            type = SIM_EVENT_SINGLE_BIT_ECC;
+        }
+        break;
+    case 3:
+        __atomic_store_n(&d->lost, 0, __ATOMIC_RELEASE);
+        d->ecc_corrected_volatile = d->ecc_uncorrected_volatile = 0;
+        break;
+    default:
+        flock(h.fd, LOCK_UN);
+        helper_close(&h);
+        return -EINVAL;
+    }
+    if (type) {
+        uint64_t seq = h.hdr->event_seq + 1;
+        struct sim_event *ev = &h.hdr->events[(seq - 1) % SIM_MAX_EVENTS];
+        ev->seq = seq;
+        ev->type = type;
+        ev->data = data;
+        ev->device = device;
+        ev->time_us = sim_realtime_ns() / 1000ULL;
+        __atomic_store_n(&h.hdr->event_seq, seq, __ATOMIC_RELEASE);
+    }
+    flock(h.fd, LOCK_UN);
+    helper_close(&h);
+    return 0;
+}
+
+struct gpuwatchsim_proc_info {
+    int32_t host_pid;      /* pid in the caller's namespace (0 = alive but not visible) */
+    int32_t ns_pid;        /* pid inside the process's own namespace */
+    uint64_t pidns_ino;
+    uint64_t start_ticks;
+    uint32_t device;
+    uint32_t pad;
+    uint64_t memory_bytes;
+    uint64_t allocations;
+    uint64_t busy_ns_total;
+    uint64_t launches;
+};
+
+/* List live (process, device) pairs with a context or memory. Returns the number of
+ * entries written (<= cap) or -errno. */
+API int gpuwatchsim_list(const char *path, struct gpuwatchsim_proc_info *out, unsigned cap)
+{
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    struct sim_self self;
+    sim_self_identity(&self);
+    unsigned n = 0;
+    flock(h.fd, LOCK_SH);
+    uint32_t hw = h.hdr->proc_high_water;
+    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
+        struct sim_proc *p = &h.hdr->procs[s];
+        if (!p->in_use)
+            continue;
+        int pid = sim_slot_owner(&h, (int)s, &self);
+        if (pid < 0)
+            continue;
+        for (uint32_t dv = 0; dv < h.hdr->device_count && n < cap; dv++) {
+            if (!((p->context_mask >> dv) & 1u) && p->memory_bytes[dv] == 0)
+                continue;
+            struct gpuwatchsim_proc_info *o = &out[n++];
+            memset(o, 0, sizeof(*o));
+            o->host_pid = pid;
+            o->ns_pid = p->ns_pid;
+            o->pidns_ino = p->pidns_ino;
+            o->start_ticks = p->start_ticks;
+            o->device = dv;
+            o->memory_bytes = p->memory_bytes[dv];
+            o->allocations = p->allocations[dv];
+            o->busy_ns_total = __atomic_load_n(&p->busy_ns_total[dv], __ATOMIC_RELAXED);
+            o->launches = __atomic_load_n(&p->launches[dv], __ATOMIC_RELAXED);
+        }
+    }
+    flock(h.fd, LOCK_UN);
+    helper_close(&h);
+    return (int)n;
+}
+
+struct gpuwatchsim_device_info {
+    char name[SIM_NAME_LEN];
+    char uuid[48];
+    char pci_bus_id[32];
+    uint64_t memory_total_bytes;
+    uint64_t ecc_corrected_volatile;
+    uint64_t ecc_uncorrected_volatile;
+    uint32_t minor;
+    uint32_t lost;
+};
+
+/* Static facts and fault state of one device. Returns 0 or -errno. */
+API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim_device_info *out)
+{
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    if (device >= h.hdr->device_count) {
+        helper_close(&h);
+        return -ENODEV;
+    }
+    struct sim_device *d = &h.hdr->devices[device];
+    memset(out, 0, sizeof(*out));
+    memcpy(out->name, d->name, sizeof(out->name));
+    memcpy(out->uuid, d->uuid, sizeof(out->uuid));
+    memcpy(out->pci_bus_id, d->pci_bus_id, sizeof(out->pci_bus_id));
+    out->memory_total_bytes = d->memory_total_bytes;
+    out->ecc_corrected_volatile = d->ecc_corrected_volatile;
+    out->ecc_uncorrected_volatile = d->ecc_uncorrected_volatile;
+    out->minor = d->minor;
+    out->lost = d->lost;
+    helper_close(&h);
+    return 0;
+}
+
+/* Device count and sim root recorded in a state file. Returns the count or -errno. */
+API int gpuwatchsim_node(const char *path, char *root, unsigned root_len)
+{
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    int n = (int)h.hdr->device_count;
+    if (root && root_len)
+        snprintf(root, root_len, "%s", h.hdr->root);
+    helper_close(&h);
+    return n;
+}
+
+/* Size of the state header, so Python can check it built against the same layout. */
+API unsigned long long gpuwatchsim_state_bytes(void)
+{
+    return sizeof(struct sim_header);
+}

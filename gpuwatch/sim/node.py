@@ -1,0 +1,330 @@
+"""Bring a simulated GPU node up and down, read its ledger, inject faults.
+
+A node is three things: a state file in /dev/shm (the "GPU": devices, per-process
+memory ledger, busy time, events), a sim root directory (device nodes named like the
+real ones, workload progress files, node.json) and a build of the native libraries.
+Everything here talks to the state file through the gpuwatchsim_* helpers exported by
+the fake libnvidia-ml, so the layout has exactly one definition (csrc/simstate.h).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwatch.errors import SimError
+from gpuwatch.sim.build import SimLibraries, build_sim_libraries
+
+DEFAULT_NAME = "default"
+DEFAULT_MODEL = "H100 80GB HBM3"
+DEFAULT_MEMORY_BYTES = 80 * 1024**3
+MAX_DEVICES = 8
+FAULT_KINDS = {"xid": 0, "lost": 1, "ecc": 2, "clear": 3}
+RM_ALLOC_LAYOUTS = {"nvos64": 0, "nvos21": 1}
+_NULL_MAJOR_MINOR = (1, 3)  # /dev/null: opens and ioctls succeed harmlessly (ENOTTY)
+_NOT_UP_FIX = "run `gpuwatch sim up`"
+
+
+@dataclass(frozen=True)
+class SimNode:
+    """Where one simulated node lives."""
+
+    name: str
+    state_path: Path
+    root: Path
+    libraries: SimLibraries
+    device_count: int
+
+    @property
+    def dev_dir(self) -> Path:
+        return self.root / "dev"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.root / "progress"
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    """One simulated device as the state file records it."""
+
+    index: int
+    name: str
+    uuid: str
+    pci_bus_id: str
+    minor: int
+    memory_total_bytes: int
+    memory_used_bytes: int
+    lost: bool
+    ecc_corrected_volatile: int
+    ecc_uncorrected_volatile: int
+
+
+@dataclass(frozen=True)
+class SimProcess:
+    """One (live process, device) pair in the ledger."""
+
+    host_pid: int  # pid in the caller's PID namespace (0: alive but not visible from here)
+    ns_pid: int  # pid inside the process's own PID namespace
+    pidns_inode: int
+    device: int
+    memory_bytes: int
+    allocations: int
+    busy_seconds_total: float
+    kernel_launches: int
+
+
+@dataclass(frozen=True)
+class SimStatus:
+    node: SimNode
+    devices: tuple[SimDevice, ...]
+    processes: tuple[SimProcess, ...]
+
+
+class _ProcInfo(ctypes.Structure):
+    _fields_ = [
+        ("host_pid", ctypes.c_int32),
+        ("ns_pid", ctypes.c_int32),
+        ("pidns_ino", ctypes.c_uint64),
+        ("start_ticks", ctypes.c_uint64),
+        ("device", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("memory_bytes", ctypes.c_uint64),
+        ("allocations", ctypes.c_uint64),
+        ("busy_ns_total", ctypes.c_uint64),
+        ("launches", ctypes.c_uint64),
+    ]
+
+
+class _DeviceInfo(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 96),
+        ("uuid", ctypes.c_char * 48),
+        ("pci_bus_id", ctypes.c_char * 32),
+        ("memory_total_bytes", ctypes.c_uint64),
+        ("ecc_corrected_volatile", ctypes.c_uint64),
+        ("ecc_uncorrected_volatile", ctypes.c_uint64),
+        ("minor", ctypes.c_uint32),
+        ("lost", ctypes.c_uint32),
+    ]
+
+
+def state_path_for(name: str) -> Path:
+    """The state file of node `name` (GPUWATCH_SIM_STATE overrides for the default node)."""
+    env = os.environ.get("GPUWATCH_SIM_STATE")
+    if env and name == DEFAULT_NAME:
+        return Path(env)
+    return Path("/dev/shm") / f"gpuwatch-sim-{name}"
+
+
+def root_for(name: str) -> Path:
+    """The sim root of node `name`: GPUWATCH_SIM_ROOT, else /run/gpuwatch-sim/<name>."""
+    env = os.environ.get("GPUWATCH_SIM_ROOT")
+    if env and name == DEFAULT_NAME:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/run/gpuwatch-sim") / name
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gpuwatch-sim-{os.getuid()}"
+    return Path(runtime) / "gpuwatch-sim" / name
+
+
+def _check_name(name: str) -> None:
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+        raise SimError(f"invalid sim node name {name!r}", fix="use letters, digits, '-', '_' or '.'")
+
+
+_helper_libs: dict[Path, ctypes.CDLL] = {}
+
+
+def _helper(libs: SimLibraries) -> ctypes.CDLL:
+    """The fake NVML loaded for its gpuwatchsim_* helpers (loaded once per path)."""
+    lib = _helper_libs.get(libs.nvml_path)
+    if lib is None:
+        lib = ctypes.CDLL(str(libs.nvml_path))
+        lib.gpuwatchsim_create.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint,
+                                           ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint]
+        lib.gpuwatchsim_inject.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
+                                           ctypes.c_uint]
+        lib.gpuwatchsim_list.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ProcInfo), ctypes.c_uint]
+        lib.gpuwatchsim_device.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_DeviceInfo)]
+        lib.gpuwatchsim_node.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+        _helper_libs[libs.nvml_path] = lib
+    return lib
+
+
+def _make_device_node(path: Path) -> bool:
+    """A char device with /dev/null's numbers; a regular file when mknod is not allowed.
+
+    Returns True for a real char device."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(*_NULL_MAJOR_MINOR))
+        os.chmod(path, 0o666)
+        return True
+    except PermissionError:
+        path.touch(mode=0o666)
+        return False
+
+
+def up(devices: int = 2, model: str = DEFAULT_MODEL, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+       name: str = DEFAULT_NAME, *, state_path: Path | None = None, root: Path | None = None,
+       rm_alloc_params: str = "nvos64") -> SimNode:
+    """Create (or re-create) a simulated node and return it.
+
+    Re-creating a node that is up resets its ledger: processes of the old node keep
+    their mapping of the old (unlinked) file and are no longer seen."""
+    _check_name(name)
+    if not 1 <= devices <= MAX_DEVICES:
+        raise SimError(f"a simulated node has 1..{MAX_DEVICES} devices, not {devices}",
+                       fix=f"pass --devices between 1 and {MAX_DEVICES}")
+    if memory_bytes < 1024**2:
+        raise SimError(f"device memory of {memory_bytes} bytes is too small", fix="pass at least 1 MiB")
+    if rm_alloc_params not in RM_ALLOC_LAYOUTS:
+        raise SimError(f"unknown RM_ALLOC layout {rm_alloc_params!r}", fix="use nvos64 or nvos21")
+    libs = build_sim_libraries()
+    state = state_path or state_path_for(name)
+    sim_root = root or root_for(name)
+    try:
+        (sim_root / "dev").mkdir(parents=True, exist_ok=True)
+        (sim_root / "progress").mkdir(parents=True, exist_ok=True)
+        os.chmod(sim_root / "progress", 0o1777)
+        real = [_make_device_node(sim_root / "dev" / "nvidiactl"),
+                _make_device_node(sim_root / "dev" / "nvidia-uvm")]
+        real += [_make_device_node(sim_root / "dev" / f"nvidia{i}") for i in range(devices)]
+    except OSError as err:
+        raise SimError(f"cannot create the sim root {sim_root}: {err}",
+                       fix="run as root or set GPUWATCH_SIM_ROOT to a writable directory") from err
+    rc = _helper(libs).gpuwatchsim_create(str(state).encode(), name.encode(), str(sim_root).encode(), devices,
+                                          model.encode(), memory_bytes, RM_ALLOC_LAYOUTS[rm_alloc_params])
+    if rc < 0:
+        raise SimError(f"cannot create the sim state file {state}: {os.strerror(-rc)}",
+                       fix="check that /dev/shm is writable")
+    node = SimNode(name=name, state_path=state, root=sim_root, libraries=libs, device_count=devices)
+    info = {
+        "name": name, "state_path": str(state), "root": str(sim_root), "lib_dir": str(libs.lib_dir),
+        "devices": devices, "model": model, "memory_bytes": memory_bytes,
+        "char_device_nodes": all(real), "rm_alloc_params": rm_alloc_params,
+    }
+    (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
+    return node
+
+
+def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> SimNode:
+    """The node `name` if it is up, else SimError telling how to start it."""
+    _check_name(name)
+    state = state_path or state_path_for(name)
+    if not state.exists():
+        raise SimError(f"sim is not up: no state file {state}", fix=_NOT_UP_FIX)
+    libs = build_sim_libraries()
+    root_buf = ctypes.create_string_buffer(256)
+    count = _helper(libs).gpuwatchsim_node(str(state).encode(), root_buf, len(root_buf))
+    if count < 0:
+        raise SimError(f"sim state file {state} is unreadable: {os.strerror(-count)}",
+                       fix=f"run `gpuwatch sim down --name {name}` then `gpuwatch sim up --name {name}`")
+    root = Path(root_buf.value.decode())
+    return SimNode(name=name, state_path=state, root=root, libraries=libs, device_count=count)
+
+
+def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:
+    """Remove a node's state file and sim root. Returns False when it was not up.
+
+    Workloads still running keep their mapping of the removed state and see no change;
+    nothing new can attach to the node."""
+    _check_name(name)
+    state = state_path or state_path_for(name)
+    root: Path | None = None
+    if state.exists():
+        try:
+            root = get_node(name, state_path=state).root
+        except SimError:
+            root = None
+        state.unlink(missing_ok=True)
+        existed = True
+    else:
+        existed = False
+    root = root or root_for(name)
+    if root.is_dir() and (root / "node.json").exists():
+        shutil.rmtree(root, ignore_errors=False)
+    return existed
+
+
+def status(node: SimNode) -> SimStatus:
+    """Devices and per-process ledger entries of a node, read from its state file."""
+    lib = _helper(node.libraries)
+    path = str(node.state_path).encode()
+    cap = 8192
+    buf = (_ProcInfo * cap)()
+    n = lib.gpuwatchsim_list(path, buf, cap)
+    if n < 0:
+        raise SimError(f"cannot read sim state {node.state_path}: {os.strerror(-n)}", fix=_NOT_UP_FIX)
+    procs = tuple(
+        SimProcess(host_pid=e.host_pid, ns_pid=e.ns_pid, pidns_inode=e.pidns_ino, device=e.device,
+                   memory_bytes=e.memory_bytes, allocations=e.allocations,
+                   busy_seconds_total=e.busy_ns_total / 1e9, kernel_launches=e.launches)
+        for e in buf[:n]
+    )
+    devices = []
+    for i in range(node.device_count):
+        d = _DeviceInfo()
+        rc = lib.gpuwatchsim_device(path, i, ctypes.byref(d))
+        if rc < 0:
+            raise SimError(f"cannot read device {i} of {node.state_path}: {os.strerror(-rc)}",
+                           fix=_NOT_UP_FIX)
+        devices.append(SimDevice(
+            index=i, name=d.name.decode(), uuid=d.uuid.decode(), pci_bus_id=d.pci_bus_id.decode(),
+            minor=d.minor, memory_total_bytes=d.memory_total_bytes,
+            memory_used_bytes=sum(p.memory_bytes for p in procs if p.device == i),
+            lost=bool(d.lost), ecc_corrected_volatile=d.ecc_corrected_volatile,
+            ecc_uncorrected_volatile=d.ecc_uncorrected_volatile,
+        ))
+    return SimStatus(node=node, devices=tuple(devices), processes=procs)
+
+
+def inject_fault(node: SimNode, kind: str, gpu: int, *, xid: int = 79, count: int = 1,
+                 uncorrected: bool = False) -> None:
+    """Inject a fault: `xid` (an XID event), `lost` (GPU falls off the bus: NVML returns
+    GPU_IS_LOST, CUDA calls fail, XID 79 is delivered), `ecc` (ECC error counts + event)
+    or `clear` (undo lost and volatile ECC counts)."""
+    if kind not in FAULT_KINDS:
+        raise SimError(f"unknown fault kind {kind!r}", fix=f"use one of {', '.join(FAULT_KINDS)}")
+    if not 0 <= gpu < node.device_count:
+        raise SimError(f"no GPU {gpu} on sim node {node.name!r} ({node.device_count} devices)",
+                       fix=f"pass --gpu between 0 and {node.device_count - 1}")
+    data = xid if kind == "xid" else count
+    rc = _helper(node.libraries).gpuwatchsim_inject(str(node.state_path).encode(), gpu, FAULT_KINDS[kind],
+                                                   data, int(uncorrected))
+    if rc < 0:
+        raise SimError(f"cannot inject {kind} on GPU {gpu}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
+
+
+def sim_env(node: SimNode, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment a workload needs to run on `node` (merged over `base` when given).
+
+    GPUWATCH_SIM_STATE / GPUWATCH_SIM_ROOT locate the node, LD_LIBRARY_PATH makes
+    `libcuda.so.1` and `libnvidia-ml.so.1` resolve to the sim's, GPUWATCH_SIM_LIBCUDA
+    names the stub by absolute path for ctypes users."""
+    env = dict(base) if base is not None else {}
+    lib_dir = str(node.libraries.lib_dir)
+    old = env.get("LD_LIBRARY_PATH", "")
+    env["LD_LIBRARY_PATH"] = f"{lib_dir}:{old}" if old else lib_dir
+    env["GPUWATCH_SIM_STATE"] = str(node.state_path)
+    env["GPUWATCH_SIM_ROOT"] = str(node.root)
+    env["GPUWATCH_SIM_LIBCUDA"] = str(node.libraries.cuda_path)
+    return env
+
+
+def preload_fake_nvml(path: Path | str, state_path: Path | str | None = None) -> ctypes.CDLL:
+    """Make `CDLL("libnvidia-ml.so.1")` (what nvidia-ml-py does) resolve to the fake.
+
+    Call before nvmlInit. The library is loaded by absolute path with RTLD_GLOBAL, so
+    the later load by soname returns it. `state_path` sets GPUWATCH_SIM_STATE, which
+    the fake reads at nvmlInit."""
+    if state_path is not None:
+        os.environ["GPUWATCH_SIM_STATE"] = str(state_path)
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
