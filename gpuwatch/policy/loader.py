@@ -112,7 +112,8 @@ class _Reader:
             return None
         out: dict[str, tuple[Node, Node]] = {}
         for key_node, value_node in node.value:
-            key = self.scalar(key_node) if isinstance(key_node, ScalarNode) else None
+            # Raw text, not the resolved value: YAML 1.1 would turn a key like `on` into True.
+            key = key_node.value if isinstance(key_node, ScalarNode) else None
             if not isinstance(key, str):
                 self.issue(key_node, f"{what}: keys must be strings", f"use one of: {', '.join(allowed)}")
                 continue
