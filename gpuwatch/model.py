@@ -41,6 +41,7 @@ class DeviceInfo:
     healthy: bool = True
     xid_errors_total: int = 0
     simulated: bool = False
+    mig_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,9 @@ class Snapshot:
     interval_s: float = 1.0
     simulated: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    cycle_cpu_seconds: float = 0.0
+    gpu_errors_total: int = 0
+    probe_identities: tuple[tuple[int, ContainerIdentity], ...] = ()
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)

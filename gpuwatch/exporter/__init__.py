@@ -1,0 +1,1 @@
+"""Prometheus exporter: a Collector over the latest Snapshot, and its HTTP server."""

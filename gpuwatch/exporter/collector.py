@@ -1,0 +1,231 @@
+"""Prometheus collector over the latest Snapshot (prometheus client_python custom Collector).
+
+Every scrape builds fresh metric families from the one published Snapshot, so series of
+exited containers disappear by themselves -- there is no `.remove()` bookkeeping and no
+state shared with the sampler beyond the snapshot reference.
+
+Naming follows Prometheus conventions: `gpuwatch_` prefix, base units in the name
+(`_bytes`, `_seconds`, `_celsius`, `_watts`, `_ratio`), counters end in `_total`.
+Labels:
+  per GPU:        node, gpu, uuid, model
+  per container:  node, gpu, uuid, model, namespace, pod, pod_uid, container, container_id
+  per pod:        node, namespace, pod, pod_uid
+  per namespace:  node, namespace
+A cgroup that is not a container (host processes, systemd services) is exported with
+``container`` = its cgroup path and an empty ``container_id``, so its series stay
+distinct. A field the GPU backend could not read (N/A) is left out, never exported as 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuwatch import __version__
+from gpuwatch.model import ContainerIdentity, DeviceInfo, Snapshot
+
+log = logging.getLogger(__name__)
+
+GPU_LABELS = ["node", "gpu", "uuid", "model"]
+CONTAINER_LABELS = [*GPU_LABELS, "namespace", "pod", "pod_uid", "container", "container_id"]
+PROBE_LABELS = ["node", "namespace", "pod", "pod_uid", "container", "container_id"]
+POD_LABELS = ["node", "namespace", "pod", "pod_uid"]
+NAMESPACE_LABELS = ["node", "namespace"]
+
+
+def gpu_label(device: DeviceInfo) -> str:
+    """The `gpu` label: the index, or "<index>/mig<slot>" for a MIG instance."""
+    return f"{device.index}/mig{device.mig_index}" if device.mig_index is not None else str(device.index)
+
+
+def identity_labels(identity: ContainerIdentity) -> list[str]:
+    """namespace, pod, pod_uid, container, container_id for one identity."""
+    container = identity.container_name or (identity.container_id[:12] if identity.container_id
+                                            else identity.cgroup_path or "/")
+    return [identity.pod_namespace, identity.pod_name, identity.pod_uid, container, identity.container_id]
+
+
+class SnapshotCollector(Collector):
+    """Yields gpuwatch_* metric families built from `get_snapshot()` on each scrape."""
+
+    def __init__(self, get_snapshot: Callable[[], Snapshot], clock: Callable[[], float] = time.monotonic,
+                 version: str = __version__) -> None:
+        self._get_snapshot = get_snapshot
+        self._clock = clock  # must be the sampler's clock: snapshot age = clock() - timestamp_s
+        self._version = version
+        self.scrape_errors_total = 0
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # unchecked collector: families depend on the snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._get_snapshot()
+        families: list[Metric] = []
+        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes):
+            try:
+                families.extend(build(snapshot))
+            except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
+                # a malformed snapshot must not fail the whole scrape: count, log, go on
+                self.scrape_errors_total += 1
+                log.exception("building %s metrics failed", build.__name__)
+        families.append(CounterMetricFamily(
+            "gpuwatch_scrape_errors", "Errors while building metrics from the snapshot.",
+            value=self.scrape_errors_total))
+        yield from families
+
+    # ---- sections -----------------------------------------------------------------------
+
+    def _meta(self, s: Snapshot) -> list[Metric]:
+        build = InfoMetricFamily("gpuwatch_build", "gpuwatch build information.",
+                                 labels=["version"])
+        build.add_metric([], {"version": self._version})
+        up = GaugeMetricFamily("gpuwatch_gpu_backend_up", "1 if the last GPU sweep (NVML) succeeded.",
+                               labels=["node", "simulated"])
+        up.add_metric([s.node, "true" if s.simulated else "false"], 1.0 if s.gpu_up else 0.0)
+        probes = GaugeMetricFamily("gpuwatch_probes_up", "1 if kernel probe counters were read.",
+                                   labels=["node"])
+        probes.add_metric([s.node], 1.0 if s.probes_up else 0.0)
+        cycle = GaugeMetricFamily("gpuwatch_sampler_cycle_duration_seconds",
+                                  "Wall time of the last sampler cycle.", labels=["node"])
+        cycle.add_metric([s.node], s.cycle_seconds)
+        cycle_cpu = GaugeMetricFamily("gpuwatch_sampler_cycle_cpu_seconds",
+                                      "Thread CPU time of the last sampler cycle.", labels=["node"])
+        cycle_cpu.add_metric([s.node], s.cycle_cpu_seconds)
+        interval = GaugeMetricFamily("gpuwatch_sampler_interval_seconds", "Configured sample interval.",
+                                     labels=["node"])
+        interval.add_metric([s.node], s.interval_s)
+        age = GaugeMetricFamily("gpuwatch_snapshot_age_seconds", "Age of the snapshot served.",
+                                labels=["node"])
+        age.add_metric([s.node], max(0.0, self._clock() - s.timestamp_s))
+        nvml_errors = CounterMetricFamily("gpuwatch_gpu_backend_errors",
+                                          "GPU backend field read errors (fields reported N/A).",
+                                          labels=["node"])
+        nvml_errors.add_metric([s.node], s.gpu_errors_total)
+        return [build, up, probes, cycle, cycle_cpu, interval, age, nvml_errors]
+
+    def _gpus(self, s: Snapshot) -> list[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=GPU_LABELS)
+
+        total = gauge("gpuwatch_gpu_memory_total_bytes", "GPU memory size.")
+        used = gauge("gpuwatch_gpu_memory_used_bytes", "GPU memory in use.")
+        free = gauge("gpuwatch_gpu_memory_free_bytes", "GPU memory free.")
+        util = gauge("gpuwatch_gpu_utilization_ratio", "Fraction of time a kernel was running (0-1).")
+        mem_util = gauge("gpuwatch_gpu_memory_utilization_ratio",
+                         "Fraction of time device memory was read or written (0-1).")
+        temp = gauge("gpuwatch_gpu_temperature_celsius", "GPU core temperature.")
+        power = gauge("gpuwatch_gpu_power_watts", "GPU power draw.")
+        power_limit = gauge("gpuwatch_gpu_power_limit_watts", "Enforced GPU power limit.")
+        healthy = gauge("gpuwatch_gpu_healthy", "1 if the GPU is usable (not lost, no fatal Xid).")
+        xid = CounterMetricFamily("gpuwatch_gpu_xid_errors", "Xid errors seen since the agent started.",
+                                  labels=GPU_LABELS)
+        info = InfoMetricFamily("gpuwatch_gpu", "Static GPU facts.",
+                                labels=[*GPU_LABELS, "pci_bus_id", "mig", "parent_uuid", "simulated"])
+        for d in s.devices:
+            labels = [s.node, gpu_label(d), d.uuid, d.name]
+            for family, value in ((total, d.memory_total_bytes), (used, d.memory_used_bytes),
+                                  (free, d.memory_free_bytes), (util, d.utilization_gpu_ratio),
+                                  (mem_util, d.utilization_memory_ratio), (temp, d.temperature_celsius),
+                                  (power, d.power_watts), (power_limit, d.power_limit_watts)):
+                if value is not None:
+                    family.add_metric(labels, float(value))
+            healthy.add_metric(labels, 1.0 if d.healthy else 0.0)
+            xid.add_metric(labels, d.xid_errors_total)
+            info.add_metric(labels, {"pci_bus_id": d.pci_bus_id or "", "mig": str(d.is_mig).lower(),
+                                     "parent_uuid": d.parent_uuid or "",
+                                     "simulated": str(d.simulated).lower()})
+        return [total, used, free, util, mem_util, temp, power, power_limit, healthy, xid, info]
+
+    def _containers(self, s: Snapshot) -> list[Metric]:
+        memory = GaugeMetricFamily("gpuwatch_container_memory_bytes",
+                                   "GPU memory held by the container's processes on this GPU.",
+                                   labels=CONTAINER_LABELS)
+        sm = GaugeMetricFamily("gpuwatch_container_sm_utilization_ratio",
+                               "Sum of the container's processes' SM utilisation on this GPU (0-1).",
+                               labels=CONTAINER_LABELS)
+        kernel = CounterMetricFamily("gpuwatch_container_kernel_seconds",
+                                     "Integral of the container's SM utilisation on this GPU over time.",
+                                     labels=CONTAINER_LABELS)
+        procs = GaugeMetricFamily("gpuwatch_container_processes",
+                                  "Processes of the container on this GPU.", labels=CONTAINER_LABELS)
+        models = {d.uuid: d for d in s.devices}
+        for c in s.containers:
+            device = models.get(c.gpu_uuid)
+            gpu = gpu_label(device) if device is not None else str(c.gpu_index)
+            labels = [s.node, gpu, c.gpu_uuid, device.name if device is not None else "",
+                      *identity_labels(c.identity)]
+            memory.add_metric(labels, c.memory_bytes)
+            sm.add_metric(labels, c.sm_utilization_ratio)
+            kernel.add_metric(labels, c.kernel_seconds_total)
+            procs.add_metric(labels, len(c.processes))
+        return [memory, sm, kernel, procs]
+
+    def _groups(self, s: Snapshot) -> list[Metric]:
+        families: list[Metric] = []
+        for level, groups, label_names in (("pod", s.pods, POD_LABELS),
+                                           ("namespace", s.namespaces, NAMESPACE_LABELS)):
+            memory = GaugeMetricFamily(f"gpuwatch_{level}_memory_bytes",
+                                       f"GPU memory held by the {level}'s containers, all GPUs.",
+                                       labels=label_names)
+            sm = GaugeMetricFamily(f"gpuwatch_{level}_sm_utilization_ratio",
+                                   f"Sum of the {level}'s SM utilisation over its GPUs (2 = two full GPUs).",
+                                   labels=label_names)
+            kernel = CounterMetricFamily(f"gpuwatch_{level}_kernel_seconds",
+                                         f"Kernel (SM) seconds of the {level}, all GPUs.", labels=label_names)
+            count = GaugeMetricFamily(f"gpuwatch_{level}_containers",
+                                      f"Containers of the {level} using a GPU.", labels=label_names)
+            for g in groups:
+                labels = [s.node, g.namespace, g.pod, g.pod_uid] if level == "pod" else [s.node, g.namespace]
+                memory.add_metric(labels, g.memory_bytes)
+                sm.add_metric(labels, g.sm_utilization_ratio)
+                kernel.add_metric(labels, g.kernel_seconds_total)
+                count.add_metric(labels, g.containers)
+            families += [memory, sm, kernel, count]
+        return families
+
+    def _probes(self, s: Snapshot) -> list[Metric]:
+        if not s.probe_counters:
+            return []
+        ioctls = CounterMetricFamily("gpuwatch_container_ioctl_calls",
+                                     "NVIDIA driver ioctls by the container, by operation.",
+                                     labels=[*PROBE_LABELS, "op"])
+        ioctl_failures = CounterMetricFamily("gpuwatch_container_ioctl_failures",
+                                             "NVIDIA driver ioctls that returned an error.",
+                                             labels=PROBE_LABELS)
+        allocs = CounterMetricFamily("gpuwatch_container_allocations",
+                                     "GPU memory allocations seen by the probes.", labels=PROBE_LABELS)
+        frees = CounterMetricFamily("gpuwatch_container_frees", "GPU memory frees seen by the probes.",
+                                    labels=PROBE_LABELS)
+        alloc_failures = CounterMetricFamily("gpuwatch_container_allocation_failures",
+                                             "GPU memory allocations that failed.", labels=PROBE_LABELS)
+        launches = CounterMetricFamily("gpuwatch_container_kernel_launches",
+                                       "Kernel launches seen by the probes.", labels=PROBE_LABELS)
+        live = GaugeMetricFamily("gpuwatch_container_allocated_bytes",
+                                 "Live GPU memory allocated, per the probes.", labels=[*PROBE_LABELS, "gpu"])
+        identities = dict(s.probe_identities)
+        seen: set[tuple[str, ...]] = set()
+        for counter in s.probe_counters:
+            identity = identities.get(counter.cgroup_id)
+            if identity is None:
+                ident_labels = ["", "", "", f"cgroup-id:{counter.cgroup_id}", ""]
+            else:
+                ident_labels = identity_labels(identity)
+            labels = [s.node, *ident_labels]
+            if tuple(labels) in seen:  # two cgroup ids of one container: keep the first
+                continue
+            seen.add(tuple(labels))
+            for op, calls in counter.ioctl_calls_by_op:
+                ioctls.add_metric([*labels, op], calls)
+            ioctl_failures.add_metric(labels, counter.ioctl_failures_total)
+            allocs.add_metric(labels, counter.allocations_total)
+            frees.add_metric(labels, counter.frees_total)
+            alloc_failures.add_metric(labels, counter.allocation_failures_total)
+            if counter.launches_total is not None:
+                launches.add_metric(labels, counter.launches_total)
+            for gpu_index, size in counter.allocated_bytes_by_gpu:
+                live.add_metric([*labels, str(gpu_index)], size)
+        return [ioctls, ioctl_failures, allocs, frees, alloc_failures, launches, live]

@@ -1,0 +1,464 @@
+"""NVML implementation of the GPU backend -- the only module that imports pynvml.
+
+How it reads (modelled on nvitop's NVML handling):
+* `nvmlInit` once per backend; static per-device fields (name, uuid, PCI bus id, minor
+  number, power limit, MIG layout, which memory-info version works) are read once and
+  cached. A sweep then makes a fixed number of NVML calls per *device* -- never per
+  process: memory, utilisation, temperature, power, the compute and graphics process
+  lists, and one `nvmlDeviceGetProcessUtilization` with the last-seen timestamp.
+* Every field is read independently: an NVML error turns that one field into ``None``
+  (N/A) and is counted in `errors_total` / named in `GpuSweep.errors`. A field that
+  answers NOT_SUPPORTED is not asked again (and counted once).
+* Errors that mean "no NVML at all" (uninitialised, driver not loaded, library/driver
+  mismatch, the device count changed or cannot be read) raise `NvmlCallFailed` so the
+  sampler marks the GPU backend down and recreates the backend later.
+* `NVML_ERROR_NOT_FOUND` from the process-utilisation call means "no new samples since
+  the last-seen timestamp"; the previous value is then held for `util_hold_s`.
+
+The simulated node: pass `library_path` (or set GPUWATCH_NVML_LIBRARY) to the fake
+`libnvidia-ml.so.1`; it is loaded with RTLD_GLOBAL before `nvmlInit`, so pynvml's
+`CDLL("libnvidia-ml.so.1")` resolves to it (same soname). A process can hold only one
+NVML library: the first one pynvml loaded stays for the life of the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pynvml
+
+from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
+from gpuwatch.model import DeviceInfo, GpuProcess, GpuSweep, ProcessKind
+
+ENV_LIBRARY = "GPUWATCH_NVML_LIBRARY"
+SIM_NAME_PREFIX = "gpuwatch-sim"
+
+# Return codes after which no further sweep can succeed with this handle set.
+_FATAL_CODES = frozenset(
+    code
+    for code in (
+        getattr(pynvml, "NVML_ERROR_UNINITIALIZED", None),
+        getattr(pynvml, "NVML_ERROR_DRIVER_NOT_LOADED", None),
+        getattr(pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", None),
+        getattr(pynvml, "NVML_ERROR_LIBRARY_NOT_FOUND", None),
+    )
+    if code is not None
+)
+_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+_NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+_GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+_TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+_VALUE_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+
+# Xid codes after which the GPU needs a reset (NVIDIA's Xid catalogue): double-bit ECC,
+# fell off the bus, contained/uncontained ECC errors, GSP errors.
+_FATAL_XIDS = frozenset({48, 79, 94, 95, 119, 120})
+
+_NVML_MISSING_FIX = (
+    "install the NVIDIA driver so that `nvidia-smi` works (the agent must see "
+    "libnvidia-ml.so.1); on a host without GPUs run the simulated node (`gpuwatch sim up`) "
+    "and pass --nvml-library or set GPUWATCH_NVML_LIBRARY to its libnvidia-ml.so.1"
+)
+
+# Libraries preloaded for pynvml; kept referenced so they are never unloaded.
+_PRELOADED: dict[str, ctypes.CDLL] = {}
+
+T = TypeVar("T")
+
+
+def preload_library(path: str) -> None:
+    """Load `path` RTLD_GLOBAL so pynvml's `CDLL("libnvidia-ml.so.1")` resolves to it."""
+    if path in _PRELOADED:
+        return
+    if not os.path.exists(path):
+        raise NvmlUnavailable(f"NVML library {path} does not exist",
+                              fix="build/start the simulated node (`gpuwatch sim up`) or fix the path")
+    try:
+        _PRELOADED[path] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise NvmlUnavailable(f"cannot load NVML library {path}: {err}",
+                              fix="pass a libnvidia-ml.so.1 built for this machine") from err
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class _Device:
+    """Static facts about one device (or MIG instance) plus per-device read state."""
+
+    handle: Any
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str | None
+    minor_number: int | None
+    power_limit_watts: float | None
+    memory_total_bytes: int | None = None
+    mig_index: int | None = None
+    parent_uuid: str | None = None
+    mig_enabled: bool = False  # a parent whose processes live on its MIG instances
+    memory_v2: bool = True
+    unsupported: set[str] = field(default_factory=set)
+    last_util_timestamp_us: int = 0
+    held_util: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (ratio, seen_s)
+    xid_errors_total: int = 0
+    fatal_xid: bool = False
+    lost: bool = False
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig_index is not None
+
+
+class NvmlBackend:
+    """GpuBackend over NVML (pynvml). One instance per nvmlInit/nvmlShutdown pair."""
+
+    def __init__(self, library_path: str | None = None, util_hold_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._util_hold_s = util_hold_s
+        self.errors_total = 0
+        self._sweep_errors: list[str] = []
+        path = library_path or os.environ.get(ENV_LIBRARY) or None
+        if path:
+            preload_library(path)
+        self.library_path = path
+        self._init_nvml()
+        self._closed = False
+        try:
+            self.driver_version = self._optional("driver_version", pynvml.nvmlSystemGetDriverVersion)
+            self.cuda_driver_version = self._optional("cuda_driver_version",
+                                                      pynvml.nvmlSystemGetCudaDriverVersion)
+            self._device_count = self._whole(pynvml.nvmlDeviceGetCount, "nvmlDeviceGetCount")
+            self._devices = self._enumerate(self._device_count)
+            self._event_set = self._register_xid_events()
+        except BaseException:
+            self.close()
+            raise
+        self.simulated = any(d.name.startswith(SIM_NAME_PREFIX) for d in self._devices)
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    @staticmethod
+    def _init_nvml() -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError_LibraryNotFound as err:
+            raise NvmlUnavailable("NVML (libnvidia-ml.so.1) not found: no NVIDIA driver on this host",
+                                  fix=_NVML_MISSING_FIX) from err
+        except pynvml.NVMLError_DriverNotLoaded as err:
+            raise NvmlUnavailable("the NVIDIA kernel driver is not loaded",
+                                  fix="load it (`modprobe nvidia`) and check `dmesg`; "
+                                      + _NVML_MISSING_FIX) from err
+        except pynvml.NVMLError_NoPermission as err:
+            raise NvmlUnavailable("no permission to initialise NVML",
+                                  fix="run as root or give the agent access to /dev/nvidia*") from err
+        except pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"nvmlInit failed: {err}", fix=_NVML_MISSING_FIX) from err
+
+    def close(self) -> None:
+        """nvmlShutdown (once). Errors are counted, never raised: the driver may be gone."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        event_set = getattr(self, "_event_set", None)
+        if event_set is not None:
+            try:
+                pynvml.nvmlEventSetFree(event_set)
+            except pynvml.NVMLError:
+                self.errors_total += 1
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            self.errors_total += 1
+
+    def __enter__(self) -> NvmlBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- error helpers --------------------------------------------------------------
+
+    def _whole(self, fn: Callable[..., T], what: str, *args: object) -> T:
+        """A call without which no sweep is possible: any NVML error raises."""
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as err:
+            raise NvmlCallFailed(f"NVML {what} failed: {err}",
+                                 fix="check the NVIDIA driver (`nvidia-smi`) or the simulated node "
+                                     "(`gpuwatch sim status`); the agent retries") from err
+
+    def _note(self, message: str) -> None:
+        self.errors_total += 1
+        self._sweep_errors.append(message)
+
+    def _optional(self, what: str, fn: Callable[..., T], *args: object) -> T | None:
+        """A node-level call that may fail: N/A plus a counted error."""
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as err:
+            if err.value in _FATAL_CODES:
+                raise NvmlCallFailed(f"NVML {what} failed: {err}", fix="check the NVIDIA driver") from err
+            self._note(f"{what}: {err}")
+            return None
+
+    def _field(self, dev: _Device, what: str, fn: Callable[..., T], *args: object) -> T | None:
+        """Read one device field; any NVML error -> None (N/A) and a counted error."""
+        if what in dev.unsupported or dev.lost:
+            return None
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as err:
+            code = err.value
+            if code in _FATAL_CODES:
+                raise NvmlCallFailed(f"NVML {what} on GPU {dev.index} failed: {err}",
+                                     fix="check the NVIDIA driver; the agent retries") from err
+            if code in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                dev.unsupported.add(what)
+            elif code == _GPU_IS_LOST:
+                dev.lost = True
+            self._note(f"GPU {dev.index} ({dev.uuid}) {what}: {err}")
+            return None
+
+    # ---- enumeration (static, once) -------------------------------------------------
+
+    def _enumerate(self, count: int) -> list[_Device]:
+        devices: list[_Device] = []
+        for index in range(count):
+            handle = self._whole(pynvml.nvmlDeviceGetHandleByIndex, "nvmlDeviceGetHandleByIndex", index)
+            dev = self._static_device(handle, index)
+            devices.append(dev)
+            mode = self._field(dev, "mig_mode", pynvml.nvmlDeviceGetMigMode, handle)
+            if mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
+                dev.mig_enabled = True
+                devices.extend(self._enumerate_mig(dev))
+        return devices
+
+    def _static_device(self, handle: Any, index: int, mig_index: int | None = None,
+                       parent_uuid: str | None = None) -> _Device:
+        uuid = _text(self._whole(pynvml.nvmlDeviceGetUUID, "nvmlDeviceGetUUID", handle))
+        dev = _Device(handle=handle, index=index, uuid=uuid, name="", pci_bus_id=None,
+                      minor_number=None, power_limit_watts=None, mig_index=mig_index,
+                      parent_uuid=parent_uuid)
+        name = self._field(dev, "name", pynvml.nvmlDeviceGetName, handle)
+        dev.name = _text(name) if name is not None else "unknown"
+        if mig_index is None:
+            pci = self._field(dev, "pci_info", pynvml.nvmlDeviceGetPciInfo, handle)
+            dev.pci_bus_id = _text(pci.busId) if pci is not None else None
+            dev.minor_number = self._field(dev, "minor_number", pynvml.nvmlDeviceGetMinorNumber, handle)
+            limit_mw = self._field(dev, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            dev.power_limit_watts = limit_mw / 1000.0 if limit_mw is not None else None
+        return dev
+
+    def _enumerate_mig(self, parent: _Device) -> list[_Device]:
+        count = self._field(parent, "mig_count", pynvml.nvmlDeviceGetMaxMigDeviceCount, parent.handle) or 0
+        found: list[_Device] = []
+        for slot in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent.handle, slot)
+            except pynvml.NVMLError as err:
+                if err.value != _NOT_FOUND:  # NOT_FOUND: no instance in this slot
+                    self._note(f"GPU {parent.index} MIG slot {slot}: {err}")
+                continue
+            mig = self._static_device(handle, parent.index, mig_index=slot, parent_uuid=parent.uuid)
+            mig.pci_bus_id = parent.pci_bus_id
+            mig.minor_number = parent.minor_number
+            found.append(mig)
+        return found
+
+    def _register_xid_events(self) -> Any:
+        """Listen for Xid errors (health). Unsupported -> no event set, health from 'lost' only."""
+        try:
+            event_set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as err:
+            self._note(f"xid events: {err}")
+            return None
+        registered = False
+        for dev in self._devices:
+            if dev.is_mig:
+                continue
+            try:
+                pynvml.nvmlDeviceRegisterEvents(dev.handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+                registered = True
+            except pynvml.NVMLError as err:
+                self._note(f"GPU {dev.index} xid events: {err}")
+        if not registered:
+            try:
+                pynvml.nvmlEventSetFree(event_set)
+            except pynvml.NVMLError:
+                self.errors_total += 1
+            return None
+        return event_set
+
+    # ---- the sweep --------------------------------------------------------------------
+
+    @property
+    def device_count(self) -> int:
+        return self._device_count
+
+    def sweep(self) -> GpuSweep:
+        """One read of every device, its processes and their SM utilisation."""
+        if self._closed:
+            raise NvmlCallFailed("NVML backend used after close()", fix="create a new NvmlBackend")
+        self._sweep_errors = []
+        count = self._whole(pynvml.nvmlDeviceGetCount, "nvmlDeviceGetCount")
+        if count != self._device_count:
+            raise NvmlCallFailed(f"GPU count changed from {self._device_count} to {count}",
+                                 fix="none needed: the agent re-initialises NVML")
+        now_s = self._clock()
+        self._drain_xid_events()
+        infos: list[DeviceInfo] = []
+        processes: list[GpuProcess] = []
+        for dev in self._devices:
+            infos.append(self._read_device(dev))
+            if not dev.mig_enabled:
+                processes.extend(self._read_processes(dev, now_s))
+        return GpuSweep(timestamp_s=now_s, devices=tuple(infos), processes=tuple(processes),
+                        driver_version=_text(self.driver_version) if self.driver_version else None,
+                        cuda_driver_version=self.cuda_driver_version,
+                        errors=tuple(self._sweep_errors))
+
+    def _drain_xid_events(self) -> None:
+        if self._event_set is None:
+            return
+        by_uuid = {d.uuid: d for d in self._devices}
+        for _ in range(1024):  # bounded: never spin on a misbehaving driver
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except pynvml.NVMLError as err:
+                if err.value != _TIMEOUT:
+                    self._note(f"xid events: {err}")
+                return
+            try:
+                uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
+            except pynvml.NVMLError as err:
+                self._note(f"xid event device: {err}")
+                continue
+            dev = by_uuid.get(uuid)
+            if dev is None:
+                continue
+            dev.xid_errors_total += 1
+            if int(data.eventData) in _FATAL_XIDS:
+                dev.fatal_xid = True
+
+    def _read_memory(self, dev: _Device) -> tuple[int | None, int | None, int | None]:
+        if dev.memory_v2 and "memory_v2" not in dev.unsupported:
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(dev.handle, version=pynvml.nvmlMemory_v2)
+                return int(mem.total), int(mem.used), int(mem.free)
+            except pynvml.NVMLError as err:
+                if err.value not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND,
+                                     getattr(pynvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", -1)):
+                    self._field(dev, "memory", _raise, err)  # same accounting as any field
+                    return None, None, None
+                dev.memory_v2 = False  # old driver: v1 from now on, silently
+        mem = self._field(dev, "memory", pynvml.nvmlDeviceGetMemoryInfo, dev.handle)
+        if mem is None:
+            return None, None, None
+        return int(mem.total), int(mem.used), int(mem.free)
+
+    def _read_device(self, dev: _Device) -> DeviceInfo:
+        total, used, free = self._read_memory(dev)
+        util_gpu = util_mem = temperature = power = None
+        if not dev.is_mig:  # utilisation, temperature and power are per physical GPU
+            rates = self._field(dev, "utilization", pynvml.nvmlDeviceGetUtilizationRates, dev.handle)
+            if rates is not None:
+                util_gpu, util_mem = rates.gpu / 100.0, rates.memory / 100.0
+            temp = self._field(dev, "temperature", pynvml.nvmlDeviceGetTemperature, dev.handle,
+                               pynvml.NVML_TEMPERATURE_GPU)
+            temperature = float(temp) if temp is not None else None
+            power_mw = self._field(dev, "power", pynvml.nvmlDeviceGetPowerUsage, dev.handle)
+            power = power_mw / 1000.0 if power_mw is not None else None
+        return DeviceInfo(
+            index=dev.index, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id,
+            memory_total_bytes=total, memory_used_bytes=used, memory_free_bytes=free,
+            utilization_gpu_ratio=util_gpu, utilization_memory_ratio=util_mem,
+            temperature_celsius=temperature, power_watts=power,
+            power_limit_watts=dev.power_limit_watts, minor_number=dev.minor_number,
+            is_mig=dev.is_mig, parent_uuid=dev.parent_uuid, mig_index=dev.mig_index,
+            healthy=not (dev.lost or dev.fatal_xid), xid_errors_total=dev.xid_errors_total,
+            simulated=dev.name.startswith(SIM_NAME_PREFIX),
+        )
+
+    def _process_list(self, dev: _Device, kind: str) -> list[Any]:
+        v3 = getattr(pynvml, f"nvmlDevice{kind}RunningProcesses_v3")
+        v2 = getattr(pynvml, f"nvmlDevice{kind}RunningProcesses_v2")
+        what = f"{kind.lower()}_processes"
+        if f"{what}_v3" not in dev.unsupported:
+            try:
+                return list(v3(dev.handle))
+            except pynvml.NVMLError as err:
+                if err.value != _FUNCTION_NOT_FOUND:
+                    self._field(dev, what, _raise, err)
+                    return []
+                dev.unsupported.add(f"{what}_v3")
+        return list(self._field(dev, what, v2, dev.handle) or [])
+
+    def _read_processes(self, dev: _Device, now_s: float) -> list[GpuProcess]:
+        merged: dict[int, tuple[int | None, ProcessKind]] = {}
+        for kind, pkind in (("Graphics", ProcessKind.GRAPHICS), ("Compute", ProcessKind.COMPUTE)):
+            for proc in self._process_list(dev, kind):
+                memory = proc.usedGpuMemory
+                if memory is not None and int(memory) == _VALUE_NOT_AVAILABLE:
+                    memory = None
+                previous = merged.get(int(proc.pid))
+                kept = previous[0] if previous is not None else None
+                if kept is not None and (memory is None or kept > memory):
+                    memory = kept  # listed as both (C+G): one allocation, keep the larger
+                merged[int(proc.pid)] = (None if memory is None else int(memory), pkind)
+        utils = self._read_process_utilization(dev, now_s, merged) if not dev.is_mig else {}
+        for pid in utils:
+            merged.setdefault(pid, (None, ProcessKind.COMPUTE))
+        return [
+            GpuProcess(pid=pid, gpu_uuid=dev.uuid, gpu_index=dev.index, memory_bytes=memory,
+                       kind=kind, sm_utilization_ratio=utils.get(pid))
+            for pid, (memory, kind) in merged.items()
+        ]
+
+    def _read_process_utilization(self, dev: _Device, now_s: float,
+                                  listed: dict[int, Any]) -> dict[int, float]:
+        """Per-pid SM utilisation: mean of the samples newer than the last-seen timestamp.
+
+        No new samples for a pid still listed on the device -> its previous value, for
+        up to `util_hold_s` (NVML samples processes at its own period, which may be longer
+        than our interval). A pid no longer listed gets nothing held: it has exited.
+        """
+        fresh: dict[int, list[int]] = {}
+        if "process_utilization" not in dev.unsupported and not dev.lost:
+            try:
+                samples = pynvml.nvmlDeviceGetProcessUtilization(dev.handle, dev.last_util_timestamp_us)
+            except pynvml.NVMLError as err:
+                if err.value not in (_NOT_FOUND, pynvml.NVML_SUCCESS):  # no new samples is fine
+                    self._field(dev, "process_utilization", _raise, err)
+                samples = []
+            newest = dev.last_util_timestamp_us
+            for sample in samples:
+                fresh.setdefault(int(sample.pid), []).append(int(sample.smUtil))
+                newest = max(newest, int(sample.timeStamp))
+            dev.last_util_timestamp_us = newest
+        for pid, values in fresh.items():
+            ratio = min(1.0, max(0.0, sum(values) / len(values) / 100.0))
+            dev.held_util[pid] = (ratio, now_s)
+        result: dict[int, float] = {}
+        for pid, (ratio, seen_s) in list(dev.held_util.items()):
+            if pid in fresh:
+                result[pid] = ratio
+            elif now_s - seen_s > self._util_hold_s or pid not in listed:
+                del dev.held_util[pid]
+            else:
+                result[pid] = ratio
+        return result
+
+
+def _raise(err: BaseException) -> None:
+    """Re-raise `err` inside `_field` so an already-caught error gets the same accounting."""
+    raise err
