@@ -57,7 +57,8 @@ class ContainerSpec:
     `extra_binds` are host paths bind-mounted read-write at the same path inside.
     `runtime` is "k8s", "docker" or "cgroup". `annotations` are added to the generated
     ones (k8s: config.json annotations; docker: labels). `cgroup_path` is only for the
-    "cgroup" runtime (default /gpuwatch-test/<name>).
+    "cgroup" runtime (default /gpuwatch-test/<name>). `ro_binds` are host paths mounted
+    read-only at the same path (e.g. the sim's C build cache).
     """
 
     name: str
@@ -70,6 +71,7 @@ class ContainerSpec:
     runtime: str = "k8s"
     annotations: dict[str, str] = field(default_factory=dict)
     cgroup_path: str | None = None
+    ro_binds: list[str] = field(default_factory=list)
 
 
 def find_runc(search_path: str | None = None) -> str:
@@ -297,7 +299,7 @@ class ContainerLab:
             raise SimError(f"unknown runtime {spec.runtime!r}", fix=f"use one of {', '.join(RUNTIMES)}")
         if not spec.argv:
             raise SimError(f"container {spec.name!r} has an empty argv", fix="give the command to run")
-        for path in spec.extra_binds:
+        for path in spec.extra_binds + spec.ro_binds:
             if not Path(path).is_absolute() or not Path(path).exists():
                 raise SimError(f"bind source {path!r} does not exist or is not absolute",
                                fix="create the directory first and pass an absolute path")
@@ -333,18 +335,25 @@ class ContainerLab:
         bundle_dir = bundle_parent / container_id
         rootfs = bundle_dir / "rootfs"
         rootfs.mkdir(parents=True)
-        ro_binds = self._system_binds(rootfs)
-        config = oci.build_config(argv=spec.argv, env=spec.env, cgroups_path=cgroup_path, hostname=hostname,
-                                  ro_binds=ro_binds, rw_binds=list(spec.extra_binds), annotations=annotations)
-        _write_json(bundle_dir / "config.json", config)
-        self._note_cgroup_parents(cgroup_path)
-        self.runc_root.mkdir(parents=True, exist_ok=True)
-        pid_file = bundle_dir / PID_FILE_NAME
-        with open(bundle_dir / LOG_NAME, "wb") as log:
-            process = subprocess.Popen(
-                [runc, "--root", str(self.runc_root), "run", "--bundle", str(bundle_dir),
-                 "--pid-file", str(pid_file), container_id],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            ro_binds = self._system_binds(rootfs)
+            ro_binds += [p for p in spec.ro_binds if not _covered(p, ro_binds)]
+            config = oci.build_config(argv=spec.argv, env=spec.env, cgroups_path=cgroup_path,
+                                      hostname=hostname, ro_binds=ro_binds, rw_binds=list(spec.extra_binds),
+                                      annotations=annotations)
+            _write_json(bundle_dir / "config.json", config)
+            self._note_cgroup_parents(cgroup_path)
+            self.runc_root.mkdir(parents=True, exist_ok=True)
+            pid_file = bundle_dir / PID_FILE_NAME
+            with open(bundle_dir / LOG_NAME, "wb") as log:
+                process = subprocess.Popen(
+                    [runc, "--root", str(self.runc_root), "run", "--bundle", str(bundle_dir),
+                     "--pid-file", str(pid_file), container_id],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            # not started (or interrupted while starting): nothing but the bundle to undo
+            shutil.rmtree(bundle_dir)
+            raise
         container = RunningContainer(lab=self, container_id=container_id, spec=spec, cgroup_path=cgroup_path,
                                      pod_uid=pod_uid, pod=pod, bundle_dir=bundle_dir, process=process,
                                      host_pid=0)
@@ -413,7 +422,10 @@ class ContainerLab:
 
     def _run_cgroup(self, spec: ContainerSpec) -> RunningContainer:
         container_id = secrets.token_hex(32)
-        cgroup_path = spec.cgroup_path or f"{DEFAULT_CGROUP_PARENT}/{spec.name}"
+        cgroup_path = "/" + (spec.cgroup_path or f"{DEFAULT_CGROUP_PARENT}/{spec.name}").strip("/")
+        if cgroup_path == "/" or ".." in Path(cgroup_path).parts:
+            raise SimError(f"refusing cgroup path {cgroup_path!r}",
+                           fix="name a sub-cgroup like /gpuwatch-test/x")
         v2_dir = self.mounts.v2_dir(cgroup_path)
         if v2_dir.exists():
             raise SimError(f"cgroup {v2_dir} already exists",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -232,3 +233,26 @@ def test_a_failing_start_cleans_up_and_says_why(lab: ContainerLab, tmp_path: Pat
 def test_missing_bind_source_is_refused(lab: ContainerLab, tmp_path: Path) -> None:
     with pytest.raises(SimError, match="does not exist"):
         lab.run(ContainerSpec(name="x", argv=SLEEP, extra_binds=[str(tmp_path / "nope")]))
+
+
+def test_sim_device_nodes_in_a_bound_dir_open_inside(lab: ContainerLab, tmp_path: Path) -> None:
+    """The sim's device nodes (char 1:3 named like nvidiactl) are usable in a container."""
+    sim_root = tmp_path / "simroot"
+    sim_root.mkdir()
+    os.mknod(sim_root / "nvidiactl", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    script = f"echo probe > {sim_root}/nvidiactl && echo opened"
+    spec = ContainerSpec(name="dev", argv=["/bin/sh", "-c", script], extra_binds=[str(sim_root)])
+    container = lab.run(spec)
+    assert container.wait(5) == 0, container.logs()
+    assert container.logs() == "opened\n"
+
+
+def test_ro_binds_are_readable_not_writable(lab: ContainerLab, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "lib.txt").write_text("built\n")
+    script = f"cat {cache}/lib.txt; touch {cache}/new 2>/dev/null && echo writable; true"
+    container = lab.run(ContainerSpec(name="ro2", argv=["/bin/sh", "-c", script], ro_binds=[str(cache)]))
+    assert container.wait(5) == 0
+    assert container.logs() == "built\n"
+    assert not (cache / "new").exists()
