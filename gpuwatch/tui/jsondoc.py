@@ -100,19 +100,31 @@ def iso_time(timestamp_s: float) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
+def _plain(value: Any) -> Any:
+    """A field value the document has no special layout for, as JSON-ready data."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, ContainerIdentity):
+        return _identity_to_dict(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return _num(value)
+
+
 def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
-    """The JSON-ready document for one Snapshot (plain dicts, lists, str, numbers)."""
-    return {
+    """The JSON-ready document for one Snapshot (plain dicts, lists, str, numbers).
+
+    Known fields get the documented layout; any other Snapshot field is written under its
+    own name, so fields added to the model later still reach the document.
+    """
+    doc: dict[str, Any] = {
         "format": FORMAT,
         "node": snapshot.node,
         "time": iso_time(snapshot.timestamp_s),
         "timestamp_s": _num(snapshot.timestamp_s),
-        "interval_s": _num(snapshot.interval_s),
-        "cycle_seconds": _num(snapshot.cycle_seconds),
         "simulated": snapshot.simulated,
         "gpu_up": snapshot.gpu_up,
         "gpu_error": snapshot.gpu_error,
-        "probes_up": snapshot.probes_up,
         "devices": [_flat(d) for d in snapshot.devices],
         "containers": [_container_to_dict(c) for c in snapshot.containers],
         "pods": [_flat(g) for g in snapshot.pods],
@@ -120,6 +132,10 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
         "probe_counters": [_probe_to_dict(p) for p in snapshot.probe_counters],
         "notes": list(snapshot.notes),
     }
+    for f in dataclasses.fields(snapshot):
+        if f.name not in doc:
+            doc[f.name] = _plain(getattr(snapshot, f.name))
+    return doc
 
 
 def dumps(snapshot: Snapshot, indent: int | None = 2) -> str:
@@ -198,6 +214,16 @@ def _container_from(data: Any, where: str) -> ContainerUsage:
     )
 
 
+def _probe_identities_from(value: Any, where: str) -> tuple[tuple[int, ContainerIdentity], ...]:
+    pairs = []
+    for i, pair in enumerate(_expect_list(value, where)):
+        pair = _expect_list(pair, f"{where}[{i}]")
+        if len(pair) != 2:
+            raise SnapshotDocError(f"snapshot document: {where}[{i}] must be [cgroup_id, identity]")
+        pairs.append((int(pair[0]), _identity_from(pair[1], f"{where}[{i}][1]")))
+    return tuple(pairs)
+
+
 def snapshot_from_dict(data: Any) -> Snapshot:
     """Inverse of `snapshot_to_dict`; raises SnapshotDocError naming the bad field."""
     data = _expect_dict(data, "document")
@@ -209,18 +235,22 @@ def snapshot_from_dict(data: Any) -> Snapshot:
     def items(name: str) -> list[Any]:
         return _expect_list(data.get(name), name)
 
-    return _flat_from(
-        Snapshot, data, "document",
-        timestamp_s=_nan_if_none(data.get("timestamp_s", 0.0)),
-        devices=tuple(_flat_from(DeviceInfo, d, f"devices[{i}]") for i, d in enumerate(items("devices"))),
-        containers=tuple(_container_from(c, f"containers[{i}]") for i, c in enumerate(items("containers"))),
-        pods=tuple(_flat_from(GroupUsage, g, f"pods[{i}]") for i, g in enumerate(items("pods"))),
-        namespaces=tuple(_flat_from(GroupUsage, g, f"namespaces[{i}]")
-                         for i, g in enumerate(items("namespaces"))),
-        probe_counters=tuple(_probe_from(p, f"probe_counters[{i}]")
-                             for i, p in enumerate(items("probe_counters"))),
-        notes=tuple(str(n) for n in items("notes")),
-    )
+    special: dict[str, Any] = {
+        "timestamp_s": _nan_if_none(data.get("timestamp_s", 0.0)),
+        "devices": tuple(_flat_from(DeviceInfo, d, f"devices[{i}]") for i, d in enumerate(items("devices"))),
+        "containers": tuple(_container_from(c, f"containers[{i}]")
+                            for i, c in enumerate(items("containers"))),
+        "pods": tuple(_flat_from(GroupUsage, g, f"pods[{i}]") for i, g in enumerate(items("pods"))),
+        "namespaces": tuple(_flat_from(GroupUsage, g, f"namespaces[{i}]")
+                            for i, g in enumerate(items("namespaces"))),
+        "probe_counters": tuple(_probe_from(p, f"probe_counters[{i}]")
+                                for i, p in enumerate(items("probe_counters"))),
+        "notes": tuple(str(n) for n in items("notes")),
+    }
+    names = {f.name for f in dataclasses.fields(Snapshot)}
+    if "probe_identities" in names:
+        special["probe_identities"] = _probe_identities_from(data.get("probe_identities"), "probe_identities")
+    return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})
 
 
 def loads(text: str) -> Snapshot:

@@ -17,6 +17,7 @@ from gpuwatch.tui.jsondoc import iso_time
 from gpuwatch.tui.state import (
     ContainerRow,
     GpuRow,
+    MessageRow,
     ProcessRow,
     Row,
     ViewState,
@@ -190,22 +191,22 @@ def plain_table(snapshot: Snapshot, state: ViewState | None = None) -> str:
     if not snapshot.gpu_up:
         lines.append(nvml_down_text(snapshot))
     lines.extend(f"note: {n}" for n in snapshot.notes)
-    previous_kind = None
+    flat_header_done = False
     for row in rows:
         if isinstance(row, GpuRow):
             lines.append("")
             lines.append(gpu_text(row))
             if state.group_by_gpu:
                 lines.append(header_text(flat, widths))
-        elif isinstance(row, ContainerRow) and flat and previous_kind is not ContainerRow:
+            continue
+        if flat and not flat_header_done and isinstance(row, ContainerRow | MessageRow):
             lines.append("")
             lines.append(header_text(flat, widths))
-            lines.append(_join(_container_cells(row, flat), _columns(flat), widths))
-        elif isinstance(row, ContainerRow):
+            flat_header_done = True
+        if isinstance(row, ContainerRow):
             lines.append(_join(_container_cells(row, flat), _columns(flat), widths))
         else:
             lines.append(row_text(row, flat, widths))
-        previous_kind = type(row)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
@@ -304,8 +305,9 @@ def screen_lines(
     while len(header) > 1 and len(header) + 3 > height_rows and header[-1].style is Style.NOTE:
         header.pop()
     fixed = [*header, columns]
-    if len(fixed) + 2 > height_rows:
-        fixed = header[: max(height_rows - 2, 1)]
+    if len(fixed) + 2 > height_rows:  # too short: the simulation banner and alerts win
+        urgent = sorted(header, key=lambda line: line.style not in (Style.BANNER, Style.ALERT))
+        fixed = urgent[: max(height_rows - 2, 1)]
     body_rows = max(height_rows - len(fixed) - 1, 0)
 
     if state.show_help:

@@ -98,7 +98,8 @@ def test_host_processes_are_labelled_host() -> None:
 
 def test_raw_cgroup_without_container_is_shown_with_runtime_and_path() -> None:
     raw = ContainerIdentity(runtime="systemd", cgroup_path="/system.slice/render.service")
-    assert container_labels(usage(raw, 0, GIB, 0.1, 1.0)) == ("-", "-", "(systemd) /system.slice/render.service")
+    labels = container_labels(usage(raw, 0, GIB, 0.1, 1.0))
+    assert labels == ("-", "-", "(systemd) /system.slice/render.service")
 
 
 def test_many_pids_are_abbreviated() -> None:

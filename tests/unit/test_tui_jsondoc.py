@@ -1,0 +1,140 @@
+"""Snapshot <-> JSON document: round trips, layout, tolerance and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from gpuwatch.model import (
+    HOST_IDENTITY,
+    ContainerIdentity,
+    ProbeCounters,
+    Snapshot,
+)
+from gpuwatch.tui.jsondoc import (
+    FORMAT,
+    SnapshotDocError,
+    dumps,
+    iso_time,
+    loads,
+    snapshot_from_dict,
+    snapshot_to_dict,
+)
+from tests.unit.test_tui_samples import GIB, T0, TRAINER, device, ident, sample_snapshot, usage
+
+
+def test_round_trip_of_the_sample_is_exact() -> None:
+    snap = sample_snapshot()
+    assert loads(dumps(snap)) == snap
+    assert loads(dumps(snap, indent=None)) == snap
+
+
+def test_round_trip_with_every_optional_part_set() -> None:
+    labelled = dataclasses.replace(TRAINER, labels=(("app", "trainer"), ("tier", "gpu")),
+                                   qos_class="guaranteed", cgroup_id=4242)
+    probe = ProbeCounters(cgroup_id=4242, ioctl_calls_by_op=(("alloc", 3),), ioctl_failures_total=1,
+                          allocated_bytes_by_gpu=((0, GIB), (3, 2 * GIB)), allocations_total=5, frees_total=2,
+                          allocation_failures_total=1, launches_total=None)
+    snap = Snapshot(
+        timestamp_s=T0 + 0.25, node="n",
+        devices=(device(0, is_mig=True, parent_uuid="GPU-parent", healthy=False, xid_errors_total=3,
+                        minor_number=0),),
+        containers=(usage(labelled, 0, GIB, 0.5, 1.5, ((1, None, "a", None),), probe=probe),
+                    usage(HOST_IDENTITY, 0, 0, 0.0, 0.0)),
+        gpu_up=False, gpu_error="NVML_ERROR_GPU_IS_LOST", probes_up=True, probe_counters=(probe,),
+        cycle_seconds=0.01, interval_s=2.0, simulated=True, notes=("a", "b"),
+    )
+    fields = {f.name for f in dataclasses.fields(Snapshot)}
+    if "probe_identities" in fields:
+        snap = dataclasses.replace(snap, probe_identities=((4242, labelled),))  # type: ignore[call-arg]
+    assert loads(dumps(snap)) == snap
+
+
+def test_every_snapshot_field_reaches_the_document() -> None:
+    doc = snapshot_to_dict(sample_snapshot())
+    missing = {f.name for f in dataclasses.fields(Snapshot)} - set(doc)
+    assert missing == set()
+
+
+def test_document_layout_for_scripts() -> None:
+    doc = json.loads(dumps(sample_snapshot()))
+    assert doc["format"] == FORMAT
+    assert doc["node"] == "sim-node-1"
+    assert doc["time"] == iso_time(T0) and doc["time"].endswith("Z")
+    assert doc["simulated"] is True
+    trainer = next(c for c in doc["containers"] if c["identity"]["container_name"] == "trainer")
+    assert trainer["identity"]["pod_name"] == "train-0"
+    assert trainer["identity"]["pod_namespace"] == "team-a"
+    assert trainer["identity"]["is_container"] is True
+    assert trainer["memory_bytes"] == 8 * GIB
+    assert [(p["pid"], p["container_pid"], p["comm"]) for p in trainer["processes"]] == [
+        (4321, 1, "python3"), (4322, 7, "worker")]
+    assert trainer["probe"]["ioctl_calls_by_op"] == {"alloc": 12000, "free": 345}
+    host = next(c for c in doc["containers"] if not c["identity"]["is_container"])
+    assert host["processes"][0]["container_pid"] is None
+    assert {p["pod"] for p in doc["pods"]} == {"train-0", "serve-1", "nb-7"}
+    assert {n["namespace"] for n in doc["namespaces"]} == {"team-a", "research"}
+    assert doc["devices"][0]["memory_total_bytes"] == 40 * GIB
+
+
+def test_non_finite_floats_become_null_and_read_back_as_na() -> None:
+    snap = Snapshot(T0, "n", (device(0, temperature_celsius=math.inf),),
+                    (usage(TRAINER, 0, GIB, math.nan, 1.0),))
+    text = dumps(snap)
+    doc = json.loads(text)  # strict JSON: no NaN/Infinity tokens
+    assert "NaN" not in text and "Infinity" not in text
+    assert doc["devices"][0]["temperature_celsius"] is None
+    back = loads(text)
+    assert back.devices[0].temperature_celsius is None
+    assert math.isnan(back.containers[0].sm_utilization_ratio)
+
+
+def test_unicode_is_written_as_text() -> None:
+    snap = Snapshot(T0, "节点", (), (usage(ident("ns", "训练", "c", "id"), 0, 1, 0.0, 0.0),))
+    text = dumps(snap)
+    assert "训练" in text and "节点" in text
+    assert loads(text) == snap
+
+
+def test_minimal_document_uses_defaults_and_ignores_unknown_keys() -> None:
+    snap = snapshot_from_dict({"node": "x", "timestamp_s": 5, "devices": [], "containers": [],
+                               "future_field": {"anything": 1}})
+    assert (snap.node, snap.timestamp_s, snap.gpu_up, snap.devices) == ("x", 5.0, True, ())
+
+
+def test_identity_only_needs_runtime_and_path() -> None:
+    doc = snapshot_to_dict(Snapshot(T0, "n", (), (usage(ContainerIdentity("docker", "/docker/abc", "abc"),
+                                                        0, 1, 0.0, 0.0),)))
+    ident_doc = doc["containers"][0]["identity"]
+    for key in ("container_name", "pod_name", "labels", "display_name", "is_container"):
+        ident_doc.pop(key)
+    back = snapshot_from_dict(doc)
+    assert back.containers[0].identity == ContainerIdentity("docker", "/docker/abc", "abc")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must be an object"),
+        ('{"format": "other/1", "node": "n", "timestamp_s": 0}', "not a gpuwatch snapshot"),
+        ('{"timestamp_s": 0}', "node"),
+        ('{"node": "n", "devices": {}}', "devices must be a list"),
+        ('{"node": "n", "devices": [{"index": 0}]}', "devices[0] lacks required field 'uuid'"),
+        ('{"node": "n", "containers": [{"gpu_index": 0}]}', "containers[0].identity must be an object"),
+    ],
+)
+def test_malformed_documents_raise_a_typed_error_naming_the_problem(text: str, needle: str) -> None:
+    with pytest.raises(SnapshotDocError) as err:
+        loads(text)
+    assert needle in str(err.value)
+
+
+def test_iso_time_formats_utc_milliseconds_and_survives_bad_values() -> None:
+    assert iso_time(0.0) == "1970-01-01T00:00:00.000Z"
+    assert iso_time(1.5) == "1970-01-01T00:00:01.500Z"
+    assert iso_time(math.nan) == ""
+    assert iso_time(1e300) == ""
