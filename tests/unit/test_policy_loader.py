@@ -71,7 +71,10 @@ def test_example_policy_loads() -> None:
     assert training.limits.gpu_time_share == 0.5
     assert training.limits.devices == (0, 1)
     assert [s.kind for s in training.actions] == [
-        ActionKind.ALERT, ActionKind.THROTTLE, ActionKind.CHECKPOINT_KILL]
+        ActionKind.ALERT,
+        ActionKind.THROTTLE,
+        ActionKind.CHECKPOINT_KILL,
+    ]
     assert training.actions[1].on == (LimitKind.GPU_TIME,)
     assert training.actions[2].for_s == 60.0 and training.actions[2].signal == signal.SIGUSR1
     assert policy.protected_namespaces == ("kube-system", "gpu-operator")
@@ -86,8 +89,9 @@ def test_every_shipped_policy_is_valid(path: Path) -> None:
 
 
 def test_defaults_when_sections_are_absent() -> None:
-    policy, issues = check_policy_text("rules:\n  - name: a\n    match: {namespace: x}\n"
-                                       "    limits: {gpu_memory: 1GiB}\n")
+    policy, issues = check_policy_text(
+        "rules:\n  - name: a\n    match: {namespace: x}\n    limits: {gpu_memory: 1GiB}\n"
+    )
     assert issues == [] and policy is not None
     assert policy.protected_namespaces == ("kube-system",)
     assert [s.kind for s in policy.rules[0].actions] == [ActionKind.ALERT]
@@ -98,10 +102,17 @@ def test_rule_without_limits_is_an_exemption() -> None:
     assert issues == [] and policy is not None and policy.rules[0].actions == ()
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * 2**30)), ("2GB", 2 * 10**9),
-    (1000, 1000), ("1000", 1000),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("2GB", 2 * 10**9),
+        (1000, 1000),
+        ("1000", 1000),
+    ],
+)
 def test_parse_size_bytes(text: object, expected: int) -> None:
     assert parse_size(text).bytes == expected
 
@@ -112,8 +123,9 @@ def test_parse_size_percent_resolves_against_device() -> None:
     assert amount.resolve_bytes(None) is None
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("10s", 10.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0),
-                                                (5, 5.0), ("7", 7.0)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("10s", 10.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), (5, 5.0), ("7", 7.0)]
+)
 def test_parse_duration(text: object, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
 
