@@ -23,8 +23,17 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("simstate.h", "simstate.c", "nvml.c", "cuda.c", "simworker.c")
 # -fno-omit-frame-pointer: every exported function starts with `push %rbp`, which
 # uprobes emulate instead of single-stepping (single steps are slow under hypervisors).
-_CFLAGS = ("-O2", "-g", "-Wall", "-Wextra", "-Werror", "-fPIC", "-fvisibility=hidden",
-           "-fno-omit-frame-pointer", "-std=gnu11")
+_CFLAGS = (
+    "-O2",
+    "-g",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fno-omit-frame-pointer",
+    "-std=gnu11",
+)
 _APT_FIX = "apt-get install gcc libc6-dev"
 
 
@@ -88,12 +97,48 @@ def _run(cmd: list[str]) -> None:
 def _compile_into(cc: str, out: Path) -> None:
     src = CSRC_DIR
     flags = list(_CFLAGS)
-    _run([cc, *flags, "-shared", "-Wl,-soname,libnvidia-ml.so.1", "-o", str(out / "libnvidia-ml.so.1"),
-          str(src / "nvml.c"), str(src / "simstate.c"), "-lpthread"])
-    _run([cc, *flags, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(out / "libcuda.so.1"),
-          str(src / "cuda.c"), str(src / "simstate.c"), "-lpthread"])
-    _run([cc, "-O2", "-Wall", "-Wextra", "-Werror", "-fno-omit-frame-pointer", "-o", str(out / "simworker"),
-          str(src / "simworker.c"), f"-L{out}", "-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN"])
+    _run(
+        [
+            cc,
+            *flags,
+            "-shared",
+            "-Wl,-soname,libnvidia-ml.so.1",
+            "-o",
+            str(out / "libnvidia-ml.so.1"),
+            str(src / "nvml.c"),
+            str(src / "simstate.c"),
+            "-lpthread",
+        ]
+    )
+    _run(
+        [
+            cc,
+            *flags,
+            "-shared",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(out / "libcuda.so.1"),
+            str(src / "cuda.c"),
+            str(src / "simstate.c"),
+            "-lpthread",
+        ]
+    )
+    _run(
+        [
+            cc,
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fno-omit-frame-pointer",
+            "-o",
+            str(out / "simworker"),
+            str(src / "simworker.c"),
+            f"-L{out}",
+            "-l:libcuda.so.1",
+            "-Wl,-rpath,$ORIGIN",
+        ]
+    )
     # unversioned names for programs that dlopen("libcuda.so") / ("libnvidia-ml.so")
     (out / "libcuda.so").symlink_to("libcuda.so.1")
     (out / "libnvidia-ml.so").symlink_to("libnvidia-ml.so.1")
@@ -114,8 +159,10 @@ def build_sim_libraries(cache_root: Path | None = None) -> SimLibraries:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SimError(f"cannot create the sim build cache {root}: {err}",
-                       fix="set GPUWATCH_SIM_CACHE to a writable directory") from err
+        raise SimError(
+            f"cannot create the sim build cache {root}: {err}",
+            fix="set GPUWATCH_SIM_CACHE to a writable directory",
+        ) from err
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
         _compile_into(cc, tmp)

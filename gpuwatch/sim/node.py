@@ -146,10 +146,22 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
     lib = _helper_libs.get(libs.nvml_path)
     if lib is None:
         lib = ctypes.CDLL(str(libs.nvml_path))
-        lib.gpuwatchsim_create.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint,
-                                           ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint]
-        lib.gpuwatchsim_inject.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
-                                           ctypes.c_uint]
+        lib.gpuwatchsim_create.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_uint,
+            ctypes.c_char_p,
+            ctypes.c_ulonglong,
+            ctypes.c_uint,
+        ]
+        lib.gpuwatchsim_inject.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_ulonglong,
+            ctypes.c_uint,
+        ]
         lib.gpuwatchsim_list.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ProcInfo), ctypes.c_uint]
         lib.gpuwatchsim_device.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_DeviceInfo)]
         lib.gpuwatchsim_node.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
@@ -172,17 +184,26 @@ def _make_device_node(path: Path) -> bool:
         return False
 
 
-def up(devices: int = 2, model: str = DEFAULT_MODEL, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-       name: str = DEFAULT_NAME, *, state_path: Path | None = None, root: Path | None = None,
-       rm_alloc_params: str = "nvos64") -> SimNode:
+def up(
+    devices: int = 2,
+    model: str = DEFAULT_MODEL,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    name: str = DEFAULT_NAME,
+    *,
+    state_path: Path | None = None,
+    root: Path | None = None,
+    rm_alloc_params: str = "nvos64",
+) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
     Re-creating a node that is up resets its ledger: processes of the old node keep
     their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)
     if not 1 <= devices <= MAX_DEVICES:
-        raise SimError(f"a simulated node has 1..{MAX_DEVICES} devices, not {devices}",
-                       fix=f"pass --devices between 1 and {MAX_DEVICES}")
+        raise SimError(
+            f"a simulated node has 1..{MAX_DEVICES} devices, not {devices}",
+            fix=f"pass --devices between 1 and {MAX_DEVICES}",
+        )
     if memory_bytes < 1024**2:
         raise SimError(f"device memory of {memory_bytes} bytes is too small", fix="pass at least 1 MiB")
     if rm_alloc_params not in RM_ALLOC_LAYOUTS:
@@ -194,22 +215,41 @@ def up(devices: int = 2, model: str = DEFAULT_MODEL, memory_bytes: int = DEFAULT
         (sim_root / "dev").mkdir(parents=True, exist_ok=True)
         (sim_root / "progress").mkdir(parents=True, exist_ok=True)
         os.chmod(sim_root / "progress", 0o1777)
-        real = [_make_device_node(sim_root / "dev" / "nvidiactl"),
-                _make_device_node(sim_root / "dev" / "nvidia-uvm")]
+        real = [
+            _make_device_node(sim_root / "dev" / "nvidiactl"),
+            _make_device_node(sim_root / "dev" / "nvidia-uvm"),
+        ]
         real += [_make_device_node(sim_root / "dev" / f"nvidia{i}") for i in range(devices)]
     except OSError as err:
-        raise SimError(f"cannot create the sim root {sim_root}: {err}",
-                       fix="run as root or set GPUWATCH_SIM_ROOT to a writable directory") from err
-    rc = _helper(libs).gpuwatchsim_create(str(state).encode(), name.encode(), str(sim_root).encode(), devices,
-                                          model.encode(), memory_bytes, RM_ALLOC_LAYOUTS[rm_alloc_params])
+        raise SimError(
+            f"cannot create the sim root {sim_root}: {err}",
+            fix="run as root or set GPUWATCH_SIM_ROOT to a writable directory",
+        ) from err
+    rc = _helper(libs).gpuwatchsim_create(
+        str(state).encode(),
+        name.encode(),
+        str(sim_root).encode(),
+        devices,
+        model.encode(),
+        memory_bytes,
+        RM_ALLOC_LAYOUTS[rm_alloc_params],
+    )
     if rc < 0:
-        raise SimError(f"cannot create the sim state file {state}: {os.strerror(-rc)}",
-                       fix="check that /dev/shm is writable")
+        raise SimError(
+            f"cannot create the sim state file {state}: {os.strerror(-rc)}",
+            fix="check that /dev/shm is writable",
+        )
     node = SimNode(name=name, state_path=state, root=sim_root, libraries=libs, device_count=devices)
     info = {
-        "name": name, "state_path": str(state), "root": str(sim_root), "lib_dir": str(libs.lib_dir),
-        "devices": devices, "model": model, "memory_bytes": memory_bytes,
-        "char_device_nodes": all(real), "rm_alloc_params": rm_alloc_params,
+        "name": name,
+        "state_path": str(state),
+        "root": str(sim_root),
+        "lib_dir": str(libs.lib_dir),
+        "devices": devices,
+        "model": model,
+        "memory_bytes": memory_bytes,
+        "char_device_nodes": all(real),
+        "rm_alloc_params": rm_alloc_params,
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
     return node
@@ -225,8 +265,10 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
     root_buf = ctypes.create_string_buffer(256)
     count = _helper(libs).gpuwatchsim_node(str(state).encode(), root_buf, len(root_buf))
     if count < 0:
-        raise SimError(f"sim state file {state} is unreadable: {os.strerror(-count)}",
-                       fix=f"run `gpuwatch sim down --name {name}` then `gpuwatch sim up --name {name}`")
+        raise SimError(
+            f"sim state file {state} is unreadable: {os.strerror(-count)}",
+            fix=f"run `gpuwatch sim down --name {name}` then `gpuwatch sim up --name {name}`",
+        )
     root = Path(root_buf.value.decode())
     return SimNode(name=name, state_path=state, root=root, libraries=libs, device_count=count)
 
@@ -264,9 +306,16 @@ def status(node: SimNode) -> SimStatus:
     if n < 0:
         raise SimError(f"cannot read sim state {node.state_path}: {os.strerror(-n)}", fix=_NOT_UP_FIX)
     procs = tuple(
-        SimProcess(host_pid=e.host_pid, ns_pid=e.ns_pid, pidns_inode=e.pidns_ino, device=e.device,
-                   memory_bytes=e.memory_bytes, allocations=e.allocations,
-                   busy_seconds_total=e.busy_ns_total / 1e9, kernel_launches=e.launches)
+        SimProcess(
+            host_pid=e.host_pid,
+            ns_pid=e.ns_pid,
+            pidns_inode=e.pidns_ino,
+            device=e.device,
+            memory_bytes=e.memory_bytes,
+            allocations=e.allocations,
+            busy_seconds_total=e.busy_ns_total / 1e9,
+            kernel_launches=e.launches,
+        )
         for e in buf[:n]
     )
     devices = []
@@ -274,31 +323,43 @@ def status(node: SimNode) -> SimStatus:
         d = _DeviceInfo()
         rc = lib.gpuwatchsim_device(path, i, ctypes.byref(d))
         if rc < 0:
-            raise SimError(f"cannot read device {i} of {node.state_path}: {os.strerror(-rc)}",
-                           fix=_NOT_UP_FIX)
-        devices.append(SimDevice(
-            index=i, name=d.name.decode(), uuid=d.uuid.decode(), pci_bus_id=d.pci_bus_id.decode(),
-            minor=d.minor, memory_total_bytes=d.memory_total_bytes,
-            memory_used_bytes=sum(p.memory_bytes for p in procs if p.device == i),
-            lost=bool(d.lost), ecc_corrected_volatile=d.ecc_corrected_volatile,
-            ecc_uncorrected_volatile=d.ecc_uncorrected_volatile,
-        ))
+            raise SimError(
+                f"cannot read device {i} of {node.state_path}: {os.strerror(-rc)}", fix=_NOT_UP_FIX
+            )
+        devices.append(
+            SimDevice(
+                index=i,
+                name=d.name.decode(),
+                uuid=d.uuid.decode(),
+                pci_bus_id=d.pci_bus_id.decode(),
+                minor=d.minor,
+                memory_total_bytes=d.memory_total_bytes,
+                memory_used_bytes=sum(p.memory_bytes for p in procs if p.device == i),
+                lost=bool(d.lost),
+                ecc_corrected_volatile=d.ecc_corrected_volatile,
+                ecc_uncorrected_volatile=d.ecc_uncorrected_volatile,
+            )
+        )
     return SimStatus(node=node, devices=tuple(devices), processes=procs)
 
 
-def inject_fault(node: SimNode, kind: str, gpu: int, *, xid: int = 79, count: int = 1,
-                 uncorrected: bool = False) -> None:
+def inject_fault(
+    node: SimNode, kind: str, gpu: int, *, xid: int = 79, count: int = 1, uncorrected: bool = False
+) -> None:
     """Inject a fault: `xid` (an XID event), `lost` (GPU falls off the bus: NVML returns
     GPU_IS_LOST, CUDA calls fail, XID 79 is delivered), `ecc` (ECC error counts + event)
     or `clear` (undo lost and volatile ECC counts)."""
     if kind not in FAULT_KINDS:
         raise SimError(f"unknown fault kind {kind!r}", fix=f"use one of {', '.join(FAULT_KINDS)}")
     if not 0 <= gpu < node.device_count:
-        raise SimError(f"no GPU {gpu} on sim node {node.name!r} ({node.device_count} devices)",
-                       fix=f"pass --gpu between 0 and {node.device_count - 1}")
+        raise SimError(
+            f"no GPU {gpu} on sim node {node.name!r} ({node.device_count} devices)",
+            fix=f"pass --gpu between 0 and {node.device_count - 1}",
+        )
     data = xid if kind == "xid" else count
-    rc = _helper(node.libraries).gpuwatchsim_inject(str(node.state_path).encode(), gpu, FAULT_KINDS[kind],
-                                                   data, int(uncorrected))
+    rc = _helper(node.libraries).gpuwatchsim_inject(
+        str(node.state_path).encode(), gpu, FAULT_KINDS[kind], data, int(uncorrected)
+    )
     if rc < 0:
         raise SimError(f"cannot inject {kind} on GPU {gpu}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
 

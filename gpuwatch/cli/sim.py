@@ -1,0 +1,243 @@
+"""`gpuwatch sim`: a simulated GPU node for tests, benchmarks and demos.
+
+Imports of the sim package happen inside the commands so `gpuwatch --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal as signal_mod
+import sys
+from pathlib import Path
+
+import click
+
+_NODE_OPTION = click.option(
+    "--name",
+    "name",
+    default="default",
+    show_default=True,
+    help="Node name; several simulated nodes can be up at once.",
+)
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 80GiB, 512MiB, 1073741824)") from err
+
+
+@click.group("sim")
+def sim() -> None:
+    """Simulated GPU node (clearly labelled "gpuwatch-sim") for tests, benchmarks, demos.
+
+    A fake libnvidia-ml.so.1 and a stub libcuda.so.1 share one state file in /dev/shm:
+    workloads allocate memory and run "kernels" (CPU burns) through the stub, and every
+    NVML tool pointed at the fake sees exactly that. Device nodes named like NVIDIA's
+    (nvidiactl, nvidia0.., nvidia-uvm) live under the sim root and receive real-encoded
+    driver ioctls, so the kernel probes work too.
+
+    \b
+    gpuwatch sim up --devices 2            # two simulated H100s
+    gpuwatch sim run --mib-per-step 4096 --duty 0.5 &
+    gpuwatch sim status
+    eval "$(gpuwatch sim env)"             # point NVML tools (nvitop, pynvml) at it
+    gpuwatch sim fault xid --gpu 0 --xid 79
+    gpuwatch sim down
+    """
+
+
+@sim.command("up")
+@_NODE_OPTION
+@click.option("--devices", default=2, show_default=True, type=click.IntRange(1, 8), help="Number of GPUs.")
+@click.option(
+    "--model",
+    default="H100 80GB HBM3",
+    show_default=True,
+    help='Model name (devices are named "gpuwatch-sim <model>").',
+)
+@click.option("--memory", "memory", default="80GiB", show_default=True, help="Memory per device.")
+@click.option(
+    "--rm-alloc-params",
+    type=click.Choice(["nvos64", "nvos21"]),
+    default="nvos64",
+    show_default=True,
+    help="Parameter layout of the RM_ALLOC ioctls the stub issues.",
+)
+def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: str) -> None:
+    """Bring a simulated node up (re-creating it resets its ledger)."""
+    from gpuwatch.sim import node as simnode
+
+    n = simnode.up(
+        devices=devices,
+        model=model,
+        memory_bytes=_parse_size(memory),
+        name=name,
+        rm_alloc_params=rm_alloc_params,
+    )
+    click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each")
+    click.echo(f"  state  {n.state_path}")
+    click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
+    click.echo(f"  libs   {n.libraries.lib_dir}")
+    click.echo(f'use it:  eval "$(gpuwatch sim env --name {n.name})"')
+
+
+@sim.command("down")
+@_NODE_OPTION
+def down_cmd(name: str) -> None:
+    """Remove a simulated node (state file and sim root)."""
+    from gpuwatch.sim import node as simnode
+
+    if simnode.down(name):
+        click.echo(f"sim node {name!r} down")
+    else:
+        click.echo(f"sim node {name!r} was not up")
+
+
+@sim.command("status")
+@_NODE_OPTION
+def status_cmd(name: str) -> None:
+    """Devices and the per-process memory ledger of a simulated node."""
+    from gpuwatch.sim import node as simnode
+
+    st = simnode.status(simnode.get_node(name))
+    gib = 1024**3
+    for d in st.devices:
+        flags = " LOST" if d.lost else ""
+        click.echo(
+            f"GPU {d.index}  {d.name}  {d.uuid}  {d.memory_used_bytes / gib:.2f} / "
+            f"{d.memory_total_bytes / gib:.2f} GiB{flags}"
+        )
+        for p in (p for p in st.processes if p.device == d.index):
+            ns = f" (pid {p.ns_pid} in its namespace)" if p.ns_pid != p.host_pid else ""
+            click.echo(
+                f"  pid {p.host_pid}{ns}  {p.memory_bytes / 2**20:.0f} MiB in {p.allocations} allocations, "
+                f"{p.kernel_launches} kernels, {p.busy_seconds_total:.1f} s busy"
+            )
+
+
+@sim.command("env")
+@_NODE_OPTION
+def env_cmd(name: str) -> None:
+    """Print shell exports that point CUDA/NVML programs at the simulated node."""
+    from gpuwatch.sim import node as simnode
+
+    n = simnode.get_node(name)
+    for key, value in simnode.sim_env(n, {"LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", "")}).items():
+        click.echo(f"export {key}='{value}'")
+
+
+@sim.command("fault")
+@_NODE_OPTION
+@click.argument("kind", type=click.Choice(["xid", "lost", "ecc", "clear"]))
+@click.option("--gpu", required=True, type=int, help="Device index.")
+@click.option("--xid", default=79, show_default=True, help="XID number (kind xid).")
+@click.option("--count", default=1, show_default=True, help="ECC error count (kind ecc).")
+@click.option("--uncorrected", is_flag=True, help="ECC errors are uncorrectable (double bit).")
+def fault_cmd(name: str, kind: str, gpu: int, xid: int, count: int, uncorrected: bool) -> None:
+    """Inject a fault: xid (XID event), lost (GPU falls off the bus), ecc, or clear."""
+    from gpuwatch.sim import node as simnode
+
+    simnode.inject_fault(simnode.get_node(name), kind, gpu, xid=xid, count=count, uncorrected=uncorrected)
+    click.echo(f"injected {kind} on GPU {gpu} of sim node {name!r}")
+
+
+def _signal_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    key = text.upper() if text.upper().startswith("SIG") else f"SIG{text.upper()}"
+    sig = getattr(signal_mod, key, None)
+    if not isinstance(sig, signal_mod.Signals):
+        raise click.BadParameter(f"unknown signal {text!r}")
+    return int(sig)
+
+
+@sim.command("run")
+@_NODE_OPTION
+@click.option("--gpu", default=0, show_default=True, help="CUDA device ordinal (after CUDA_VISIBLE_DEVICES).")
+@click.option("--mib-per-step", default=1024.0, show_default=True, help="MiB allocated per step.")
+@click.option("--steps", default=1, show_default=True, help="Allocation steps (0: unlimited for leak/free).")
+@click.option("--interval-s", default=1.0, show_default=True, help="Seconds between steps.")
+@click.option(
+    "--hold", "pattern", flag_value="hold", default=True, help="Allocate the steps, then hold (default)."
+)
+@click.option(
+    "--leak", "pattern", flag_value="leak", help="Keep allocating every interval (until OOM or steps)."
+)
+@click.option("--free", "pattern", flag_value="free", help="Allocate, hold one interval, free; repeat.")
+@click.option(
+    "--duty",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Fraction of time running kernels.",
+)
+@click.option("--kernel-ms", default=10.0, show_default=True, help="Length of one kernel.")
+@click.option(
+    "--lifetime-s", default=0.0, show_default=True, help="Exit after this long (0: run until killed)."
+)
+@click.option(
+    "--checkpoint-signal",
+    default="SIGUSR1",
+    show_default=True,
+    help="Signal that asks the workload to checkpoint.",
+)
+@click.option(
+    "--checkpoint-marker",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="File written on checkpoint (content: the progress count).",
+)
+@click.option("--keep-running-after-checkpoint", is_flag=True, help="Do not exit after writing the marker.")
+def run_cmd(
+    name: str,
+    gpu: int,
+    mib_per_step: float,
+    steps: int,
+    interval_s: float,
+    pattern: str,
+    duty: float,
+    kernel_ms: float,
+    lifetime_s: float,
+    checkpoint_signal: str,
+    checkpoint_marker: Path | None,
+    keep_running_after_checkpoint: bool,
+) -> None:
+    """Run a GPU workload on the simulated node in this process.
+
+    Prints "ready <pid> <bytes>" once its memory is allocated, "progress <n>" once a
+    second, "checkpoint <n>" on the checkpoint signal and "oom <pid> <bytes>" when the
+    device is full (exit status 2). Progress also goes to <sim root>/progress/<pid>.
+    """
+    from gpuwatch.sim import node as simnode
+    from gpuwatch.sim import workload
+
+    if "GPUWATCH_SIM_STATE" not in os.environ or name != "default":
+        n = simnode.get_node(name)
+        os.environ.update(simnode.sim_env(n, {}))
+    elif not Path(os.environ["GPUWATCH_SIM_STATE"]).exists():
+        raise click.ClickException("sim is not up: run `gpuwatch sim up`")
+    if "GPUWATCH_SIM_LIBCUDA" not in os.environ:
+        os.environ["GPUWATCH_SIM_LIBCUDA"] = str(simnode.get_node(name).libraries.cuda_path)
+    spec = workload.WorkloadSpec(
+        gpu=gpu,
+        mib_per_step=mib_per_step,
+        steps=steps,
+        interval_s=interval_s,
+        pattern=pattern,
+        duty=duty,
+        kernel_ms=kernel_ms,
+        lifetime_s=lifetime_s,
+        progress_file=workload.default_progress_file(),
+        checkpoint_signal=_signal_number(checkpoint_signal),
+        checkpoint_marker=checkpoint_marker,
+        exit_on_checkpoint=not keep_running_after_checkpoint,
+    )
+    sys.exit(workload.run_workload(spec))
