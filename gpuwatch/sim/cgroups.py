@@ -152,3 +152,27 @@ def kill_all(directory: Path) -> bool:
     except FileNotFoundError:
         return True  # the cgroup vanished: nothing left to kill
     return True
+
+
+def thaw(mounts: CgroupMounts, cgroup_path: str) -> None:
+    """Thaw a cgroup in the v2 tree and the v1 freezer (whichever exist).
+
+    A task frozen by the v1 freezer does not die from SIGKILL until thawed, so cleanup
+    thaws first (an enforcer may have paused the container and not resumed it).
+    """
+    if mounts.v2 is not None:
+        freeze_file = mounts.v2_dir(cgroup_path) / "cgroup.freeze"
+        if freeze_file.exists():
+            _write_if_present(freeze_file, "0")
+    freezer = mounts.v1_controller("freezer")
+    if freezer is not None:
+        state_file = freezer / cgroup_path.lstrip("/") / "freezer.state"
+        if state_file.exists():
+            _write_if_present(state_file, "THAWED")
+
+
+def _write_if_present(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except FileNotFoundError:
+        return  # the cgroup was removed meanwhile: nothing to thaw

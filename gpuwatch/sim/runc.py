@@ -169,6 +169,7 @@ class RunningContainer:
         if self._stopped:
             return
         members = self.pids()
+        cgroups.thaw(self._lab.mounts, self.cgroup_path)
         if self.runtime == "cgroup":
             self._kill_cgroup(timeout_s)
         else:

@@ -19,6 +19,7 @@ import pytest
 from gpuwatch.errors import SimError
 from gpuwatch.sim import cgroups
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.conftest import need
 
 MOUNTS = cgroups.detect()
 SLEEP = ["/bin/sleep", "30"]
@@ -256,3 +257,24 @@ def test_ro_binds_are_readable_not_writable(lab: ContainerLab, tmp_path: Path) -
     assert container.wait(5) == 0
     assert container.logs() == "built\n"
     assert not (cache / "new").exists()
+
+
+@pytest.mark.parametrize("runtime", ["k8s", "cgroup"])
+@pytest.mark.parametrize("freezer", ["v1", "v2"])
+def test_stop_kills_a_frozen_container(lab: ContainerLab, tmp_path: Path, runtime: str, freezer: str) -> None:
+    """An enforcer may leave a container paused; stop() must still remove it."""
+    container = lab.run(ContainerSpec(name=f"frozen-{runtime}-{os.getpid()}", argv=SLEEP, runtime=runtime))
+    if freezer == "v1":
+        mount = MOUNTS.v1_controller("freezer")
+        need(mount is not None, "needs the v1 freezer hierarchy (hybrid cgroup host)")
+        assert mount is not None
+        state = mount / container.cgroup_path.lstrip("/") / "freezer.state"
+        state.write_text("FROZEN")
+        _wait_for(lambda: state.read_text().strip() == "FROZEN")
+    else:
+        (MOUNTS.v2_dir(container.cgroup_path) / "cgroup.freeze").write_text("1")
+        events = MOUNTS.v2_dir(container.cgroup_path) / "cgroup.events"
+        _wait_for(lambda: "frozen 1" in events.read_text())
+    pid = container.host_pid
+    container.stop(timeout_s=3)
+    _assert_gone(container, tmp_path / "runc", [pid])
