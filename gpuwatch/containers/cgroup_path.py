@@ -49,7 +49,7 @@ class _Rule:
 _RULES: tuple[_Rule, ...] = (
     # docker, systemd driver: /system.slice/docker-<id>.scope (also under kubepods-*.slice with
     # dockershim, and rootless under user@<uid>.service)
-    _Rule(DOCKER, re.compile(rf"^docker-(?P<id>{_HEX64})\.scope$")),
+    _Rule(DOCKER, re.compile(rf"^docker-(?P<id>{_HEX64})(?:\.scope)?$")),
     # containerd CRI, systemd driver: cri-containerd-<id>.scope
     _Rule(CONTAINERD, re.compile(rf"^cri-containerd-(?P<id>{_HEX64})\.scope$")),
     # nerdctl / containerd outside Kubernetes, systemd driver: nerdctl-<id>.scope, containerd-<id>.scope
@@ -149,13 +149,8 @@ def _match_pod(comps: list[str], i: int) -> tuple[str, str] | None:
 
 
 def normalize_path(path: str) -> str:
-    """'/'-rooted path without a trailing slash; empty or garbage becomes '/'."""
-    path = path.strip()
-    if not path.startswith("/"):
-        path = "/" + path
-    if len(path) > 1:
-        path = path.rstrip("/") or "/"
-    return path
+    """'/'-rooted path without empty or '.' components; empty becomes '/'."""
+    return "/" + "/".join(c for c in path.strip().split("/") if c and c != ".")
 
 
 @lru_cache(maxsize=8192)

@@ -239,9 +239,9 @@ class IdentityResolver:
     ) -> ContainerMetadata | None:
         now = self._clock()
         cached = self._meta.get(container_id)
-        if cached is not None:
-            if cached.meta is not None or now - cached.fetched_s < self._metadata_retry_s:
-                return cached.meta
+        fresh = cached is not None and now - cached.fetched_s < self._metadata_retry_s
+        if cached is not None and (cached.meta is not None or fresh):
+            return cached.meta
         if runc_only:
             meta = self._lookup.lookup_runc(container_id)
         else:
