@@ -128,6 +128,15 @@ class ProbeCounters:
     frees_total: int = 0
     allocation_failures_total: int = 0
     launches_total: int | None = None
+    # added by the probes (issue 4). allocated_bytes_by_gpu / allocations_total / frees_total
+    # above are decoded driver ioctls (RM_ALLOC/RM_FREE of video memory; GPU index -1 = device
+    # not known); the cuda_* fields come from libcuda uprobes (None when that group is off).
+    cuda_allocated_bytes: int | None = None
+    cuda_allocations_total: int = 0
+    cuda_frees_total: int = 0
+    cuda_oom_total: int = 0
+    ioctl_failures_by_op: tuple[tuple[str, int], ...] = ()
+    graph_launches_total: int | None = None
 
 
 @dataclass(frozen=True)
