@@ -1,0 +1,67 @@
+"""End to end: a simulated GPU workload (`gpuwatch sim run`) inside a runc container.
+
+The workload allocates through the stub libcuda from the bind-mounted sim build cache;
+the node's ledger (what the fake NVML reports) must show it under its *host* PID, and a
+stopped container's memory must be reclaimed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.sim import node as simnode
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+
+MIB = 1024**2
+
+
+@pytest.fixture
+def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
+    state_dir = tmp_path / "shm"
+    state_dir.mkdir()
+    name = f"runc{os.getpid()}"
+    node = simnode.up(devices=1, memory_bytes=4096 * MIB, name=name, state_path=state_dir / "state",
+                      root=tmp_path / "simroot")
+    try:
+        yield node
+    finally:
+        simnode.down(name, state_path=node.state_path)
+
+
+def _wait_for(predicate: object, timeout_s: float) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_contained_workload_is_seen_with_its_host_pid(sim: simnode.SimNode, tmp_path: Path) -> None:
+    lab = ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
+    with lab:
+        spec = ContainerSpec(
+            name="trainer", namespace="ml", pod="job-0",
+            argv=[sys.executable, "-m", "gpuwatch", "sim", "run", "--mib-per-step", "256", "--steps", "1"],
+            env=simnode.sim_env(sim),
+            extra_binds=[str(sim.state_path.parent), str(sim.root)],
+            ro_binds=[str(sim.libraries.lib_dir)],
+        )
+        container = lab.run(spec)
+        _wait_for(lambda: "ready" in container.logs() or not container.running(), timeout_s=8)
+        assert container.running(), container.logs()
+
+        ours = [p for p in simnode.status(sim).processes if p.host_pid == container.host_pid]
+        assert len(ours) == 1, (container.host_pid, simnode.status(sim).processes)
+        assert ours[0].memory_bytes == 256 * MIB
+        assert ours[0].ns_pid == 1
+        assert ours[0].pidns_inode == os.stat(f"/proc/{container.host_pid}/ns/pid").st_ino
+
+        container.stop()
+        _wait_for(lambda: not simnode.status(sim).processes, timeout_s=1.0)
+        assert simnode.status(sim).devices[0].memory_used_bytes == 0
