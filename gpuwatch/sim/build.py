@@ -59,9 +59,11 @@ def default_cache_root() -> Path:
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    wanted = os.environ.get("CC")
+    cc = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise SimError("no C compiler found to build the simulated GPU libraries", fix=_APT_FIX)
+        what = f"the C compiler CC={wanted!r}" if wanted else "a C compiler (cc)"
+        raise SimError(f"cannot build the simulated GPU libraries: {what} is not installed", fix=_APT_FIX)
     return cc
 
 

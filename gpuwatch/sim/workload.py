@@ -143,6 +143,7 @@ class Workload:
         self._checkpoint_requested = False
         self._last_report = 0.0
         self._deadline: float | None = None
+        self._next_kernel = time.monotonic()
         self._out = out or sys.stdout
 
     # -- reporting --
@@ -201,13 +202,17 @@ class Workload:
             if spec.duty <= 0:
                 time.sleep(min(left, 0.05))
                 continue
-            t0 = time.monotonic()
+            wait = self._next_kernel - time.monotonic()
+            if wait > 0:
+                time.sleep(min(wait, left, 0.05))
+                continue
             self.cuda.kernel(int(spec.kernel_ms * 1000))
-            ran = time.monotonic() - t0
             self.progress += 1
             self._write_progress()
-            if spec.duty < 1.0:
-                time.sleep(max(0.0, ran * (1.0 - spec.duty) / spec.duty))
+            # fixed-rate schedule (period = kernel / duty), so busy / wall == duty
+            # however long each launch took; no catching up after falling behind
+            period_s = spec.kernel_ms / 1000.0 / spec.duty
+            self._next_kernel = max(self._next_kernel + period_s, time.monotonic() - period_s)
 
     def _allocate(self, nbytes: int) -> None:
         self.held.append(self.cuda.alloc(nbytes))

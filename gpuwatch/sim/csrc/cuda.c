@@ -17,16 +17,16 @@
  *     probe can key frees on (tgid, hRoot, hObject). The nodes are char devices 1:3
  *     (/dev/null), so the ioctls reach the kernel and fail harmlessly with ENOTTY.
  *   - kernel launches burn CPU for the duration the caller asks for and credit the
- *     CPU time actually consumed as busy time of (process, device). A frozen or stopped
- *     process consumes no CPU, so it accrues no busy time.
+ *     thread's runnable time (CPU time + run-queue wait) as busy time of (process,
+ *     device). A frozen or stopped process is not runnable, so it accrues no busy time.
  *
  * How a caller asks for kernel duration (the stub's one convention):
  *   cuLaunchKernel / cuLaunchKernelEx: kernelParams[0] points to a uint64_t number of
  *     microseconds of work (NULL kernelParams = an empty kernel);
  *   cuGraphLaunch: the CUgraphExec handle value itself is the number of microseconds
  *     (the stub has no graph construction API).
- *   The work is CPU time: under CPU contention a kernel takes longer in wall time, as
- *   a kernel sharing a time-sliced GPU would.
+ *   The work is runnable time (see run_kernel), so host CPU contention does not stretch
+ *   kernels, but freezing or stopping the caller pauses them.
  * Device pointers are fake addresses and must never be dereferenced.
  */
 #define _GNU_SOURCE
@@ -721,6 +721,28 @@ static void credit_busy(struct sim_proc *p, int phys, uint64_t busy_ns, uint64_t
 
 static volatile uint64_t g_sink;
 
+/* run-queue wait of the calling thread (ns), from /proc/thread-self/schedstat field 2 */
+static uint64_t run_delay_ns(int fd)
+{
+    char buf[128];
+    if (fd < 0)
+        return 0;
+    ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strchr(buf, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+/*
+ * A kernel of `duration_us` is that much *runnable* time of the calling thread: CPU
+ * time (CLOCK_THREAD_CPUTIME_ID) plus time spent waiting on a run queue
+ * (schedstat run_delay). So CPU contention on the host does not distort the
+ * simulated GPU's utilisation, while a frozen or stopped process -- neither running
+ * nor runnable -- accrues nothing. Busy time is credited as it accrues, at the wall
+ * time it accrues.
+ */
 static CUresult run_kernel(uint64_t duration_us)
 {
     if (!t_ctx)
@@ -733,17 +755,19 @@ static CUresult run_kernel(uint64_t duration_us)
         return CUDA_ERROR_UNKNOWN;
     struct sim_proc *p = &g_sim.hdr->procs[slot];
     __atomic_fetch_add(&p->launches[phys], 1, __ATOMIC_RELAXED);
+    int sfd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
     uint64_t target = duration_us * 1000ULL, done = 0, pending = 0;
-    uint64_t c0 = thread_cpu_ns();
+    uint64_t c0 = thread_cpu_ns(), d0 = run_delay_ns(sfd);
     uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
     while (done < target) {
         uint64_t x = g_sink;
         for (int i = 0; i < 20000; i++)
             x = x * 6364136223846793005ULL + 1442695040888963407ULL;
         g_sink = x;
-        uint64_t c = thread_cpu_ns();
-        uint64_t d = c - c0;
+        uint64_t c = thread_cpu_ns(), dl = run_delay_ns(sfd);
+        uint64_t d = (c - c0) + (dl >= d0 ? dl - d0 : 0);
         c0 = c;
+        d0 = dl;
         if (d > target - done)
             d = target - done;
         done += d;
@@ -756,6 +780,8 @@ static CUresult run_kernel(uint64_t duration_us)
             bucket = now / SIM_BUCKET_NS;
         }
     }
+    if (sfd >= 0)
+        close(sfd);
     return CUDA_SUCCESS;
 }
 

@@ -141,20 +141,25 @@ int main(int argc, char **argv)
 
     uint64_t kernel_us = (uint64_t)(kernel_ms * 1000.0);
     void *params[1] = {&kernel_us};
+    /* fixed-rate schedule: kernel k starts at t0 + k * period, period = kernel / duty,
+     * so busy / wall == duty however long each launch took in wall time */
+    double period_s = duty > 0 ? kernel_ms / 1000.0 / duty : 0.1;
+    double next = now_s();
     while (!g_stop && (lifetime_s <= 0 || now_s() - start < lifetime_s)) {
         if (duty <= 0) {
             sleep_s(0.1);
             continue;
         }
-        double t0 = now_s();
         r = cuLaunchKernel((void *)1, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
         if (r) {
             fprintf(stderr, "simworker: cuLaunchKernel failed: %d\n", r);
             return 3;
         }
-        double ran = now_s() - t0;
-        /* sleep so busy / (busy + idle) == duty over each period */
-        sleep_s(ran * (1.0 - duty) / duty);
+        next += period_s;
+        double now = now_s();
+        if (next < now - period_s)
+            next = now; /* fell behind (e.g. frozen): do not try to catch up */
+        sleep_s(next - now);
     }
     if (do_free)
         for (int s = 0; s < steps; s++)
