@@ -8,6 +8,7 @@ the file is unreadable. Nothing here caches: resolver.py does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,20 @@ def choose_cgroup_path(cg: CgroupFile) -> CgroupChoice:
     return CgroupChoice(best, ctrl, cg.unified)
 
 
-def parse_stat(text: str) -> tuple[str, int] | None:
-    """(comm, start time in clock ticks since boot) from /proc/<pid>/stat, or None if garbled.
+class ProcStat(NamedTuple):
+    """The /proc/<pid>/stat fields identity needs."""
+
+    comm: str
+    state: str  # R, S, D, Z (zombie), X (dead), ...
+    start_ticks: int  # start time in clock ticks since boot: with the pid, a unique process key
+
+    @property
+    def exited(self) -> bool:
+        return self.state in ("Z", "X", "x")
+
+
+def parse_stat(text: str) -> ProcStat | None:
+    """comm, state and start time from /proc/<pid>/stat, or None if garbled.
 
     comm may contain spaces and ')' so we split at the last ')'.
     """
@@ -95,7 +108,7 @@ def parse_stat(text: str) -> tuple[str, int] | None:
     if len(fields) < 20:
         return None
     try:
-        return text[open_at + 1 : close_at], int(fields[19])
+        return ProcStat(text[open_at + 1 : close_at], fields[0], int(fields[19]))
     except ValueError:
         return None
 

@@ -123,10 +123,10 @@ class IdentityResolver:
                 return self._hit(entry)
             stat_text = read_text(f"{pdir}/stat")
             parsed = parse_stat(stat_text) if stat_text is not None else None
-            if parsed is None:
+            if parsed is None or parsed.exited:
                 del self._pids[pid]
                 return None
-            if fresh and parsed[1] == entry.start_ticks:
+            if fresh and parsed.start_ticks == entry.start_ticks:
                 entry.proc_key = key  # same process, its /proc inode was recycled
                 return self._hit(entry)
         return self._load_pid(pid, pdir, key, now, stat_text)
@@ -155,10 +155,10 @@ class IdentityResolver:
             stat_text = read_text(f"{pdir}/stat")
         parsed = parse_stat(stat_text) if stat_text is not None else None
         cg_text = read_text(f"{pdir}/cgroup")
-        if parsed is None and cg_text is None:
+        if (parsed is None and cg_text is None) or (parsed is not None and parsed.exited):
             self._pids.pop(pid, None)
-            return None  # gone between the stat and the reads
-        comm, start_ticks = parsed if parsed is not None else ("", -1)
+            return None  # gone between the stat and the reads, or a zombie nobody reaped yet
+        comm, start_ticks = (parsed.comm, parsed.start_ticks) if parsed is not None else ("", -1)
         status = read_text(f"{pdir}/status")
         name, nspid = parse_status(status) if status is not None else ("", ())
         if cg_text is not None:
@@ -275,6 +275,14 @@ class IdentityResolver:
                 identity, pending = self._build_identity(path, entry.identity.cgroup_id)
                 entry.identity, entry.meta_pending = identity, pending
             keep[path] = entry
+        kept = {id(e) for e in keep.values()}
+        tracked = {id(e) for e in self._paths.values()}
+        # a pid whose cgroup went away is revalidated from scratch (it is usually a zombie)
+        self._pids = {
+            pid: e
+            for pid, e in self._pids.items()
+            if id(e.path_entry) in kept or id(e.path_entry) not in tracked
+        }
         self._paths = keep
         referenced = {e.identity.container_id for e in keep.values() if e.identity.container_id}
         referenced |= {p.rsplit("/", 1)[-1] for p in keep}

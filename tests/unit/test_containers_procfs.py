@@ -78,7 +78,9 @@ def test_garbage_cgroup_file_is_root(text: str) -> None:
 
 def test_parse_stat_comm_with_spaces_and_parens() -> None:
     fields = " ".join(["S"] + ["0"] * 18 + ["123456"] + ["0"] * 30)
-    assert parse_stat(f"42 (my (weird) comm) {fields}") == ("my (weird) comm", 123456)
+    assert parse_stat(f"42 (my (weird) comm) {fields}") == ("my (weird) comm", "S", 123456)
+    zombie = parse_stat(f"42 (x) Z {fields[2:]}")
+    assert zombie is not None and zombie.exited
 
 
 @pytest.mark.parametrize("text", ["", "42", "42 (x", "42 (x) S 1 2 3", "42 (x) " + "S " * 18 + "notanumber"])
@@ -91,7 +93,8 @@ def test_parse_stat_real_self() -> None:
     assert text is not None
     parsed = parse_stat(text)
     assert parsed is not None
-    comm, start = parsed
+    comm, state, start = parsed
+    assert state == "R" and not parsed.exited
     assert comm  # python / pytest
     with open("/proc/uptime") as f:
         boot_ticks = os.sysconf("SC_CLK_TCK") * float(f.read().split()[0])

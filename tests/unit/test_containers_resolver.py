@@ -76,10 +76,11 @@ class Node:
         comm: str = "python3",
         nspid: tuple[int, ...] = (),
         cgroup_text: str | None = None,
+        state: str = "S",
     ) -> Path:
         d = self.proc / str(pid)
         d.mkdir()
-        rest = " ".join(["S", "1"] + ["0"] * 17 + [str(start)] + ["0"] * 30)
+        rest = " ".join([state, "1"] + ["0"] * 17 + [str(start)] + ["0"] * 30)
         (d / "stat").write_text(f"{pid} ({comm}) {rest}\n")
         (d / "cgroup").write_text(cgroup_text if cgroup_text is not None else f"0::{cgroup}\n")
         ns = "\t".join(str(x) for x in (nspid or (pid,)))
@@ -166,6 +167,27 @@ def test_caches_dropped_when_container_goes(node: Node, clock: FakeClock) -> Non
     assert r.resolve_pid(20) is None
     clock.now += 5.0
     assert r.identity_for_cgroup_id(cg_id) is None
+
+
+def test_zombie_is_gone(node: Node, clock: FakeClock) -> None:
+    node.cgroup(KPATH)
+    node.process(22, KPATH, state="Z")
+    assert node.resolver(clock).resolve_pid(22) is None
+
+
+def test_zombie_left_after_its_container_went_is_gone_after_sweep(node: Node, clock: FakeClock) -> None:
+    """A container's init reparented to a pid 1 that does not reap: /proc/<pid> stays, same inode."""
+    node.cgroup(KPATH)
+    d = node.process(23, KPATH)
+    r = node.resolver(clock)
+    assert r.resolve_pid(23) is not None
+    stat = (d / "stat").read_text()
+    (d / "stat").write_text(stat.replace(") S ", ") Z ", 1))  # in place: /proc/23 unchanged
+    assert r.resolve_pid(23) is not None  # cached: a hit costs one stat() and reads nothing
+    (node.unified / KPATH.lstrip("/")).rmdir()
+    clock.now += 1
+    r.begin_sweep()
+    assert r.resolve_pid(23) is None
 
 
 def test_sweep_keeps_live_cgroups_and_drops_idle_pids(node: Node, clock: FakeClock) -> None:
