@@ -205,7 +205,24 @@ class SnapshotCollector(Collector):
         launches = CounterMetricFamily("gpuwatch_container_kernel_launches",
                                        "Kernel launches seen by the probes.", labels=PROBE_LABELS)
         live = GaugeMetricFamily("gpuwatch_container_allocated_bytes",
-                                 "Live GPU memory allocated, per the probes.", labels=[*PROBE_LABELS, "gpu"])
+                                 "Live GPU memory allocated per decoded driver ioctls (gpu -1: unknown).",
+                                 labels=[*PROBE_LABELS, "gpu"])
+        op_failures = CounterMetricFamily("gpuwatch_container_ioctl_op_failures",
+                                          "NVIDIA driver ioctls that returned an error, by operation.",
+                                          labels=[*PROBE_LABELS, "op"])
+        graph_launches = CounterMetricFamily("gpuwatch_container_graph_launches",
+                                             "CUDA graph launches seen by the libcuda probes.",
+                                             labels=PROBE_LABELS)
+        cuda_live = GaugeMetricFamily("gpuwatch_container_cuda_allocated_bytes",
+                                      "Live GPU memory allocated through libcuda, per the uprobes.",
+                                      labels=PROBE_LABELS)
+        cuda_allocs = CounterMetricFamily("gpuwatch_container_cuda_allocations",
+                                          "libcuda allocation calls.", labels=PROBE_LABELS)
+        cuda_frees = CounterMetricFamily("gpuwatch_container_cuda_frees", "libcuda free calls.",
+                                         labels=PROBE_LABELS)
+        cuda_oom = CounterMetricFamily("gpuwatch_container_cuda_out_of_memory",
+                                       "libcuda allocations that failed with out-of-memory.",
+                                       labels=PROBE_LABELS)
         identities = dict(s.probe_identities)
         seen: set[tuple[str, ...]] = set()
         for counter in s.probe_counters:
@@ -228,4 +245,14 @@ class SnapshotCollector(Collector):
                 launches.add_metric(labels, counter.launches_total)
             for gpu_index, size in counter.allocated_bytes_by_gpu:
                 live.add_metric([*labels, str(gpu_index)], size)
-        return [ioctls, ioctl_failures, allocs, frees, alloc_failures, launches, live]
+            for op, failures in counter.ioctl_failures_by_op:
+                op_failures.add_metric([*labels, op], failures)
+            if counter.graph_launches_total is not None:
+                graph_launches.add_metric(labels, counter.graph_launches_total)
+            if counter.cuda_allocated_bytes is not None:  # None: the libcuda uprobes are off
+                cuda_live.add_metric(labels, counter.cuda_allocated_bytes)
+                cuda_allocs.add_metric(labels, counter.cuda_allocations_total)
+                cuda_frees.add_metric(labels, counter.cuda_frees_total)
+                cuda_oom.add_metric(labels, counter.cuda_oom_total)
+        return [ioctls, ioctl_failures, op_failures, allocs, frees, alloc_failures, launches, graph_launches,
+                live, cuda_live, cuda_allocs, cuda_frees, cuda_oom]

@@ -36,15 +36,16 @@ def snapshot_to_json(snapshot: Snapshot) -> str:
 
 
 def _identity(d: dict[str, Any]) -> ContainerIdentity:
-    return ContainerIdentity(**{**d, "labels": tuple(tuple(kv) for kv in d.get("labels", ()))})
+    return ContainerIdentity(**{k: _tuplify(v) for k, v in d.items()})
+
+
+def _tuplify(value: Any) -> Any:
+    """JSON lists back to the model's tuples (nested pairs included)."""
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
 
 
 def _probe(d: dict[str, Any]) -> ProbeCounters:
-    return ProbeCounters(**{
-        **d,
-        "ioctl_calls_by_op": tuple((str(op), int(n)) for op, n in d.get("ioctl_calls_by_op", ())),
-        "allocated_bytes_by_gpu": tuple((int(g), int(n)) for g, n in d.get("allocated_bytes_by_gpu", ())),
-    })
+    return ProbeCounters(**{k: _tuplify(v) for k, v in d.items()})
 
 
 def _container(d: dict[str, Any]) -> ContainerUsage:

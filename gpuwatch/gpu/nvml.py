@@ -8,7 +8,8 @@ How it reads (modelled on nvitop's NVML handling):
   lists, and one `nvmlDeviceGetProcessUtilization` with the last-seen timestamp.
 * Every field is read independently: an NVML error turns that one field into ``None``
   (N/A) and is counted in `errors_total` / named in `GpuSweep.errors`. A field that
-  answers NOT_SUPPORTED is not asked again (and counted once).
+  answers NOT_SUPPORTED is a capability the GPU lacks (MIG mode on a non-MIG GPU): N/A,
+  not counted, and not asked again (`unsupported_fields()` lists them).
 * Errors that mean "no NVML at all" (uninitialised, driver not loaded, library/driver
   mismatch, the device count changed or cannot be read) raise `NvmlCallFailed` so the
   sampler marks the GPU backend down and recreates the backend later.
@@ -24,6 +25,7 @@ NVML library: the first one pynvml loaded stays for the life of the process.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -57,7 +59,8 @@ _TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
 _VALUE_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 
 # Xid codes after which the GPU needs a reset (NVIDIA's Xid catalogue): double-bit ECC,
-# fell off the bus, contained/uncontained ECC errors, GSP errors.
+# fell off the bus, contained/uncontained ECC errors, GSP errors. A device that saw one
+# is unhealthy until it comes back from being lost (a reset) or the agent restarts.
 _FATAL_XIDS = frozenset({48, 79, 94, 95, 119, 120})
 
 _NVML_MISSING_FIX = (
@@ -111,7 +114,8 @@ class _Device:
     held_util: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (ratio, seen_s)
     xid_errors_total: int = 0
     fatal_xid: bool = False
-    lost: bool = False
+    lost: bool = False  # GPU_IS_LOST seen in the current sweep
+    lost_reported: bool = False  # the loss was already counted as an error
 
     @property
     def is_mig(self) -> bool:
@@ -223,9 +227,13 @@ class NvmlBackend:
                 raise NvmlCallFailed(f"NVML {what} on GPU {dev.index} failed: {err}",
                                      fix="check the NVIDIA driver; the agent retries") from err
             if code in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
-                dev.unsupported.add(what)
-            elif code == _GPU_IS_LOST:
+                dev.unsupported.add(what)  # a capability this GPU lacks, not an error: ask no more
+                return None
+            if code == _GPU_IS_LOST:
                 dev.lost = True
+                if dev.lost_reported:  # counted once per loss, not once per sweep
+                    return None
+                dev.lost_reported = True
             self._note(f"GPU {dev.index} ({dev.uuid}) {what}: {err}")
             return None
 
@@ -234,7 +242,17 @@ class NvmlBackend:
     def _enumerate(self, count: int) -> list[_Device]:
         devices: list[_Device] = []
         for index in range(count):
-            handle = self._whole(pynvml.nvmlDeviceGetHandleByIndex, "nvmlDeviceGetHandleByIndex", index)
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except pynvml.NVMLError as err:
+                if err.value != _GPU_IS_LOST:
+                    raise NvmlCallFailed(f"NVML nvmlDeviceGetHandleByIndex({index}) failed: {err}",
+                                         fix="check the NVIDIA driver (`nvidia-smi`)") from err
+                self._note(f"GPU {index}: {err}")
+                devices.append(_Device(handle=None, index=index, uuid=f"lost-gpu-{index}", name="unknown",
+                                       pci_bus_id=None, minor_number=None, power_limit_watts=None,
+                                       lost=True, lost_reported=True))
+                continue
             dev = self._static_device(handle, index)
             devices.append(dev)
             mode = self._field(dev, "mig_mode", pynvml.nvmlDeviceGetMigMode, handle)
@@ -305,6 +323,10 @@ class NvmlBackend:
     def device_count(self) -> int:
         return self._device_count
 
+    def unsupported_fields(self) -> dict[str, tuple[str, ...]]:
+        """Per device uuid, the fields NVML said it does not support."""
+        return {d.uuid: tuple(sorted(d.unsupported)) for d in self._devices if d.unsupported}
+
     def sweep(self) -> GpuSweep:
         """One read of every device, its processes and their SM utilisation."""
         if self._closed:
@@ -319,9 +341,21 @@ class NvmlBackend:
         infos: list[DeviceInfo] = []
         processes: list[GpuProcess] = []
         for dev in self._devices:
+            was_lost = dev.lost
+            if dev.handle is not None:
+                dev.lost = False  # re-probed every sweep: a GPU that was reset comes back
             infos.append(self._read_device(dev))
             if not dev.mig_enabled:
                 processes.extend(self._read_processes(dev, now_s))
+            if was_lost and not dev.lost:
+                # back from lost = it was reset: the fatal Xid that came with the loss is history
+                dev.lost_reported = dev.fatal_xid = False
+                infos[-1] = dataclasses.replace(infos[-1], healthy=True)
+        physical = [d for d in self._devices if not d.is_mig]
+        if physical and all(d.lost for d in physical):
+            raise NvmlCallFailed(f"all {len(physical)} GPUs are lost (NVML: GPU is lost)",
+                                 fix="check `nvidia-smi` and `dmesg` (Xid 79: fallen off the bus); "
+                                     "the agent retries")
         return GpuSweep(timestamp_s=now_s, devices=tuple(infos), processes=tuple(processes),
                         driver_version=_text(self.driver_version) if self.driver_version else None,
                         cuda_driver_version=self.cuda_driver_version,
@@ -330,7 +364,7 @@ class NvmlBackend:
     def _drain_xid_events(self) -> None:
         if self._event_set is None:
             return
-        by_uuid = {d.uuid: d for d in self._devices}
+        by_handle = {_address(d.handle): d for d in self._devices if d.handle is not None and not d.is_mig}
         for _ in range(1024):  # bounded: never spin on a misbehaving driver
             try:
                 data = pynvml.nvmlEventSetWait_v2(self._event_set, 0)
@@ -338,12 +372,8 @@ class NvmlBackend:
                 if err.value != _TIMEOUT:
                     self._note(f"xid events: {err}")
                 return
-            try:
-                uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
-            except pynvml.NVMLError as err:
-                self._note(f"xid event device: {err}")
-                continue
-            dev = by_uuid.get(uuid)
+            # by handle address: a lost GPU cannot even tell its UUID any more
+            dev = by_handle.get(_address(data.device))
             if dev is None:
                 continue
             dev.xid_errors_total += 1
@@ -351,6 +381,8 @@ class NvmlBackend:
                 dev.fatal_xid = True
 
     def _read_memory(self, dev: _Device) -> tuple[int | None, int | None, int | None]:
+        if dev.lost:
+            return None, None, None
         if dev.memory_v2 and "memory_v2" not in dev.unsupported:
             try:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(dev.handle, version=pynvml.nvmlMemory_v2)
@@ -390,9 +422,11 @@ class NvmlBackend:
         )
 
     def _process_list(self, dev: _Device, kind: str) -> list[Any]:
-        v3 = getattr(pynvml, f"nvmlDevice{kind}RunningProcesses_v3")
-        v2 = getattr(pynvml, f"nvmlDevice{kind}RunningProcesses_v2")
+        v3 = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses_v3")
+        v2 = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses_v2")
         what = f"{kind.lower()}_processes"
+        if dev.lost:
+            return []
         if f"{what}_v3" not in dev.unsupported:
             try:
                 return list(v3(dev.handle))
@@ -457,6 +491,11 @@ class NvmlBackend:
             else:
                 result[pid] = ratio
         return result
+
+
+def _address(handle: Any) -> int | None:
+    """The C pointer value of an NVML device handle (handles are compared by address)."""
+    return ctypes.cast(handle, ctypes.c_void_p).value
 
 
 def _raise(err: BaseException) -> None:

@@ -123,6 +123,7 @@ def test_probe_metrics() -> None:
     assert reg.get_sample_value("gpuwatch_container_allocation_failures_total", a) == 1
     assert reg.get_sample_value("gpuwatch_container_allocated_bytes", {**a, "gpu": "0"}) == 3 * GIB
     assert reg.get_sample_value("gpuwatch_container_kernel_launches_total", a) is None
+    assert reg.get_sample_value("gpuwatch_container_cuda_allocated_bytes", a) is None  # uprobes off
     unknown = {"node": "node-1", "namespace": "", "pod": "", "pod_uid": "", "container": "cgroup-id:777",
                "container_id": ""}
     assert reg.get_sample_value("gpuwatch_container_allocation_failures_total", unknown) == 4
@@ -141,7 +142,9 @@ def test_malformed_snapshot_counts_a_scrape_error_but_serves_the_rest() -> None:
 def test_server_metrics_pass_promtool_and_snapshot_json_round_trips() -> None:
     promtool = need_binary("promtool", "prometheus")
     counters = (ProbeCounters(cgroup_id=501, ioctl_calls_by_op=(("RM_ALLOC", 7),),
-                              allocated_bytes_by_gpu=((0, GIB),), launches_total=5),)
+                              allocated_bytes_by_gpu=((0, GIB), (-1, 4096)), launches_total=5,
+                              cuda_allocated_bytes=GIB, cuda_allocations_total=2, cuda_oom_total=1,
+                              ioctl_failures_by_op=(("RM_ALLOC", 1),), graph_launches_total=3),)
     world, sampler, _ = pipeline(FakeProbes(counters))
     sampler.run_once()
     world.now_s += 1
@@ -163,7 +166,8 @@ def test_server_metrics_pass_promtool_and_snapshot_json_round_trips() -> None:
 
 
 def test_json_round_trip_is_exact() -> None:
-    world, sampler, _ = pipeline(FakeProbes((ProbeCounters(cgroup_id=502, ioctl_calls_by_op=(("x", 1),)),)))
+    world, sampler, _ = pipeline(FakeProbes((ProbeCounters(cgroup_id=502, ioctl_calls_by_op=(("x", 1),),
+                                                           ioctl_failures_by_op=(("x", 1),)),)))
     sampler.run_once()
     world.now_s += 1
     snap = sampler.run_once()
