@@ -1,0 +1,136 @@
+"""The node agent: wires sources, the sampler and the consumers together, and tears them down.
+
+Start order: probes (optional) -> sampler -> exporter -> enforcer (optional) -> webhook
+(optional). Stop order is the reverse, on every exit path: the webhook stops accepting,
+the enforcer thaws what it froze, the exporter stops, the sampler stops, the probes detach.
+Each optional part that cannot start is logged once with what the user loses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatch.errors import GpuwatchError, ProbesUnavailable
+
+log = logging.getLogger("gpuwatch.agent")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9400
+    node: str | None = None
+    interval_s: float = 1.0
+    nvml_library: str | None = None
+    proc_root: str = "/proc"
+    probes: bool | None = None  # None: on when available
+    device_prefix: str = "/dev/nvidia"
+    launch_uprobes: bool = False
+    policy_path: str | None = None
+    dry_run: bool = False
+    audit_log: str = "/var/log/gpuwatch/audit.jsonl"
+    webhook: tuple[str, int] | None = None
+    webhook_token_file: str | None = None
+    webhook_allow_remote: bool = False
+
+
+def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
+    """Start BPF probes, or say exactly what is off and carry on with NVML alone."""
+    if config.probes is False:
+        log.info("probes disabled (--no-probes): per-container ioctl/allocation counts are off")
+        return None
+    try:
+        from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+
+        manager = ProbeManager(ProbeConfig(device_prefix=config.device_prefix,
+                                           launch_uprobes=config.launch_uprobes))
+        manager.start()
+    except (ProbesUnavailable, ImportError) as err:
+        if config.probes:
+            raise
+        log.warning("BPF unavailable: per-container ioctl/allocation counts and in-kernel "
+                    "enforcement are off; NVML attribution continues (%s)", err)
+        return None
+    stack.callback(manager.stop)
+    log.info("kernel probes attached (device prefix %s)", config.device_prefix)
+    return manager
+
+
+def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: Any) -> Any | None:
+    if not config.policy_path:
+        log.info("no --policy: enforcement is off (metrics only)")
+        return None
+    from gpuwatch.enforce.factory import build_enforcer
+
+    enforcer = build_enforcer(policy_path=config.policy_path, audit_log=config.audit_log,
+                              dry_run=config.dry_run, limit_map=getattr(probes, "limit_map", None))
+    stack.callback(enforcer.close)
+    registry.register(enforcer.metrics_collector())
+    log.info("enforcer on: policy %s%s, audit log %s", config.policy_path,
+             " (dry run: nothing is acted on)" if config.dry_run else "", config.audit_log)
+    return enforcer
+
+
+def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any) -> None:
+    if config.webhook is None:
+        return
+    from gpuwatch.enforce.webhook import WebhookServer, token_from_env_or_file
+    from gpuwatch.errors import UnsafeConfiguration
+
+    if enforcer is None:
+        raise UnsafeConfiguration("--webhook-listen needs --policy: alerts are turned into actions "
+                                  "by the enforcer", fix="pass --policy FILE (may be alert-only)")
+    token = token_from_env_or_file(config.webhook_token_file)
+    if token is None:
+        raise UnsafeConfiguration("the enforcement webhook needs a token",
+                                  fix="pass --webhook-token-file FILE (mode 600, >= 16 chars)")
+    host, port = config.webhook
+    server = WebhookServer(host, port, token, enforcer.on_webhook, config.webhook_allow_remote)
+    server.start()
+    stack.callback(server.stop)
+    log.info("Alertmanager webhook on http://%s:%d%s (bearer token required)", host, server.port,
+             server.PATH)
+
+
+def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
+    """Run until `stop` is set; everything started is stopped again on the way out."""
+    from gpuwatch.exporter.server import registry_for, serve
+    from gpuwatch.sampler import build_sampler
+
+    node = config.node or socket.gethostname()
+    if config.nvml_library:
+        os.environ["GPUWATCH_NVML_LIBRARY"] = config.nvml_library
+    with ExitStack() as stack:
+        probes = _start_probes(config, stack)
+        sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
+                                node=node, proc_root=config.proc_root, probe_source=probes)
+        sampler.start()
+        stack.callback(sampler.stop)
+        registry = registry_for(sampler.latest)
+        enforcer = _start_enforcer(config, stack, registry, probes)
+        server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest)
+        stack.callback(server.stop)
+        log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
+                 config.listen_host, server.port, node, config.interval_s)
+        _start_webhook(config, stack, enforcer)
+        last_seen = 0.0
+        while not stop.wait(timeout=min(config.interval_s, 1.0)):
+            if reload_requested.is_set():
+                reload_requested.clear()
+                if enforcer is not None:
+                    enforcer.reload()
+            snapshot = sampler.latest()
+            if enforcer is not None and snapshot.timestamp_s != last_seen:
+                last_seen = snapshot.timestamp_s
+                events = probes.poll_events(0) if probes is not None else ()
+                try:
+                    enforcer.on_snapshot(snapshot, events)
+                except GpuwatchError as err:
+                    log.error("enforcement step failed: %s", err)
+        log.info("stopping: detaching probes, thawing frozen containers, closing endpoints")

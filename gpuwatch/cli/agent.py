@@ -1,0 +1,87 @@
+"""`gpuwatch agent`: the node daemon (sampler + exporter, plus probes, enforcer, webhook).
+
+Everything optional degrades with one line that says what the user loses. Shutdown on
+SIGTERM/SIGINT goes through one path that stops the sampler, detaches the probes and
+thaws whatever the enforcer froze. SIGHUP reloads the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+import click
+
+from gpuwatch.cli.addresses import parse_listen
+
+log = logging.getLogger("gpuwatch.agent")
+
+
+@click.command("agent")
+@click.option("--listen", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
+              help="Where /metrics is served. The DaemonSet uses 0.0.0.0:9400 (read-only endpoint).")
+@click.option("--node", default=None, help="Node name label (default: hostname).")
+@click.option("--interval", "interval_s", type=click.FloatRange(0.05, 3600), default=1.0,
+              show_default=True, help="Sample interval in seconds.")
+@click.option("--nvml-library", envvar="GPUWATCH_NVML_LIBRARY", default=None, metavar="PATH",
+              help="Load this libnvidia-ml.so.1 (e.g. the simulated node's). Env: GPUWATCH_NVML_LIBRARY.")
+@click.option("--proc-root", default="/proc", show_default=True,
+              help="Host /proc (in a container: the host's /proc mounted e.g. at /host/proc).")
+@click.option("--probes/--no-probes", "probes", default=None,
+              help="Kernel probes (BPF). Default: on when available, with a message when not.")
+@click.option("--device-prefix", default="/dev/nvidia", show_default=True,
+              help="Device node prefix the ioctl probes track (the simulation uses its own).")
+@click.option("--launch-uprobes", is_flag=True,
+              help="Count kernel launches with uprobes on libcuda (costs ~0.5-17 us per launch).")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False), default=None,
+              help="Enforcement policy (YAML, see gpuwatch/policy/SCHEMA.md). Without it: no enforcement.")
+@click.option("--dry-run", is_flag=True, help="Evaluate the policy and audit decisions, act on nothing.")
+@click.option("--audit-log", default="/var/log/gpuwatch/audit.jsonl", show_default=True,
+              help="Append-only JSON-lines audit log of every enforcement decision.")
+@click.option("--webhook-listen", default=None, metavar="HOST:PORT",
+              help="Serve the Alertmanager webhook (acting endpoint) here, e.g. 127.0.0.1:9401.")
+@click.option("--webhook-token-file", default=None, type=click.Path(dir_okay=False),
+              help="Bearer token for the webhook (file mode 600, >= 16 chars). Required with "
+                   "--webhook-listen; env GPUWATCH_WEBHOOK_TOKEN also works.")
+@click.option("--webhook-allow-remote", is_flag=True,
+              help="Allow a non-loopback --webhook-listen address (token still required).")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
+def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
+          proc_root: str, probes: bool | None, device_prefix: str, launch_uprobes: bool,
+          policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
+          webhook_token_file: str | None, webhook_allow_remote: bool, verbose: int) -> None:
+    """Run the node agent until SIGTERM/SIGINT.
+
+    Samples NVML (and the kernel probes) every --interval, attributes GPU memory and kernel
+    time to containers/pods/namespaces, serves Prometheus metrics on --listen, and with
+    --policy enforces limits (alert, throttle, pause, checkpoint-then-kill, kill).
+    """
+    from gpuwatch.agent import AgentConfig, run_agent
+
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = parse_listen(listen, "--listen")
+    webhook = parse_listen(webhook_listen, "--webhook-listen") if webhook_listen else None
+    config = AgentConfig(
+        listen_host=host, listen_port=port, node=node, interval_s=interval_s,
+        nvml_library=nvml_library, proc_root=proc_root, probes=probes,
+        device_prefix=device_prefix, launch_uprobes=launch_uprobes, policy_path=policy_path,
+        dry_run=dry_run, audit_log=audit_log, webhook=webhook,
+        webhook_token_file=webhook_token_file, webhook_allow_remote=webhook_allow_remote,
+    )
+    stop = threading.Event()
+    reload_requested = threading.Event()
+
+    def _on_stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    def _on_hup(_signum: int, _frame: FrameType | None) -> None:
+        reload_requested.set()
+
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
+    signal.signal(signal.SIGHUP, _on_hup)
+    run_agent(config, stop, reload_requested)
