@@ -1,0 +1,192 @@
+"""The only `import bcc`: compile bpf/ with BCC and load the programs, in a short-lived child.
+
+Why a child: BCC/LLVM cost ~125 MB of RSS for the life of a process. The child compiles the
+concatenated bpf/ sources with cflags, creates the maps, loads every program, sends the map
+and program file descriptors back over a Unix socket (SCM_RIGHTS) and exits; the agent then
+attaches and reads maps with plain bpf() syscalls (bpfsys.py) and never maps LLVM.
+
+Parent side: `load_programs(request)`. Child side: `python -m gpuwatch.probes.bcc_loader FD`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.probes.layout import BPF_DIR
+
+# concatenated in this order into BCC's main text (BCC only turns main-text functions into
+# programs); the files are used unchanged
+BPF_SOURCES = ("gpuwatch.bpf.c", "common.bpf.c", "devices.bpf.c", "ioctl.bpf.c", "cuda.bpf.c",
+               "lifecycle.bpf.c")
+HEADERS_FALLBACK = Path("/opt/gpuwatch/kernel-headers/current")
+
+TRACEPOINT = "tracepoint"
+UPROBE = "uprobe"
+
+# program name -> BCC program type, per group
+PROGRAMS: dict[str, dict[str, str]] = {
+    "core": {"gw_enter_openat": TRACEPOINT, "gw_exit_openat": TRACEPOINT,
+             "gw_enter_close": TRACEPOINT, "gw_sched_exit": TRACEPOINT},
+    "ioctl": {"gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT},
+    "alloc": {"gw_cu_alloc": UPROBE, "gw_cu_alloc_pitch": UPROBE, "gw_cu_create": UPROBE,
+              "gw_cu_alloc_ret": UPROBE, "gw_cu_free": UPROBE},
+    "launch": {"gw_cu_launch": UPROBE, "gw_cu_graph_launch": UPROBE},
+}
+
+MAPS_CORE = ("gw_config", "gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_mem", "gw_rm",
+             "gw_devh", "gw_cuda", "gw_limits", "gw_events")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What to compile. Groups and bounds become -D cflags, nothing else reaches the source."""
+
+    ioctl: bool = True
+    alloc_uprobes: bool = True
+    launch_uprobes: bool = False
+    verbose_events: bool = False
+    max_rm_allocs: int = 65536
+    max_cuda_allocs: int = 65536
+    extra_cflags: tuple[str, ...] = ()
+
+    def groups(self) -> tuple[str, ...]:
+        return tuple(g for g, on in (("core", True), ("ioctl", self.ioctl), ("alloc", self.alloc_uprobes),
+                                     ("launch", self.launch_uprobes)) if on)
+
+    def cflags(self) -> list[str]:
+        return [f"-I{BPF_DIR}",
+                f"-DGW_IOCTL={int(self.ioctl)}",
+                f"-DGW_ALLOC_UPROBES={int(self.alloc_uprobes)}",
+                f"-DGW_LAUNCH_UPROBES={int(self.launch_uprobes)}",
+                f"-DGW_VERBOSE_EVENTS={int(self.verbose_events)}",
+                f"-DGW_MAX_RM_ALLOCS={int(self.max_rm_allocs)}",
+                f"-DGW_MAX_CUDA_ALLOCS={int(self.max_cuda_allocs)}",
+                *self.extra_cflags]
+
+
+@dataclass
+class LoadedObjects:
+    """File descriptors owned by the caller (close them to unload)."""
+
+    maps: dict[str, int] = field(default_factory=dict)
+    progs: dict[str, int] = field(default_factory=dict)
+    compile_s: float = 0.0
+
+    def close(self) -> None:
+        for fd in [*self.maps.values(), *self.progs.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                continue  # already closed: nothing left to release
+        self.maps.clear()
+        self.progs.clear()
+
+
+def kernel_headers_env() -> dict[str, str]:
+    """Environment for BCC: BCC_KERNEL_SOURCE when /lib/modules/$(uname -r)/build is missing."""
+    env = dict(os.environ)
+    build = Path("/lib/modules") / os.uname().release / "build"
+    if build.exists() or env.get("BCC_KERNEL_SOURCE"):
+        return env
+    if HEADERS_FALLBACK.is_dir():
+        env["BCC_KERNEL_SOURCE"] = str(HEADERS_FALLBACK)
+        return env
+    raise ProbesUnavailable(
+        f"BPF probes off: no kernel headers for BCC ({build} is missing and {HEADERS_FALLBACK} "
+        "does not exist); per-container ioctl/allocation counters are unavailable, NVML "
+        "attribution continues",
+        fix="run `bash deploy/setup.sh install` (merges Debian headers) or set BCC_KERNEL_SOURCE")
+
+
+def load_programs(request: LoadRequest, timeout_s: float = 120.0) -> LoadedObjects:
+    """Compile and load in a child process; return the map/program fds it passed back."""
+    env = kernel_headers_env()
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch.probes.bcc_loader", str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        child.close()
+        parent.sendall(json.dumps(asdict(request)).encode() + b"\n")
+        parent.settimeout(timeout_s)
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(parent, 1 << 20, 256)
+        except TimeoutError as err:
+            proc.kill()
+            raise ProbesUnavailable(f"BPF compile did not finish in {timeout_s:.0f} s",
+                                    fix="check CPU load; rerun `gpuwatch doctor`") from err
+        _out, err_text = proc.communicate(timeout=timeout_s)
+    finally:
+        parent.close()
+        child.close()  # idempotent
+    if not msg:
+        tail = err_text.decode(errors="replace").strip().splitlines()[-12:]
+        raise ProbesUnavailable("BPF probes off: the kernel or BCC refused the programs: "
+                                + " | ".join(tail),
+                                fix="run `gpuwatch doctor`; check kernel headers and BPF support")
+    reply = json.loads(msg.decode())
+    if reply.get("error"):
+        for fd in fds:
+            os.close(fd)
+        raise ProbesUnavailable(f"BPF probes off: {reply['error']}", fix=reply.get("fix", ""))
+    objs = LoadedObjects(compile_s=time.monotonic() - started)
+    for name, idx in reply["maps"].items():
+        objs.maps[name] = fds[idx]
+    for name, idx in reply["progs"].items():
+        objs.progs[name] = fds[idx]
+    return objs
+
+
+# ---- child side ---------------------------------------------------------------------------
+
+def _child_main(sock_fd: int) -> int:
+    sock = socket.socket(fileno=sock_fd)
+    fields = json.loads(sock.makefile("rb").readline())
+    fields["extra_cflags"] = tuple(fields.get("extra_cflags", ()))
+    request = LoadRequest(**fields)
+    try:
+        import bcc  # the one place BCC is imported
+    except ImportError as err:
+        sock.sendall(json.dumps({"error": f"BCC is not importable ({err})",
+                                 "fix": "apt-get install python3-bpfcc; use a venv with "
+                                        "--system-site-packages"}).encode())
+        return 1
+    text = b"\n".join((BPF_DIR / name).read_bytes() for name in BPF_SOURCES)
+    try:
+        prog = bcc.BPF(text=text, cflags=request.cflags())
+        fds: list[int] = []
+        maps: dict[str, int] = {}
+        progs: dict[str, int] = {}
+        names = list(MAPS_CORE)
+        if request.launch_uprobes:
+            names.append("gw_launches")
+        for name in names:
+            maps[name] = len(fds)
+            fds.append(prog.get_table(name).map_fd)
+        for group in request.groups():
+            for fn, kind in PROGRAMS[group].items():
+                ptype = bcc.BPF.TRACEPOINT if kind == TRACEPOINT else bcc.BPF.KPROBE
+                progs[fn] = len(fds)
+                fds.append(prog.load_func(fn.encode(), ptype).fd)
+    except Exception as err:  # BCC raises bare Exception for compile/verifier errors
+        sock.sendall(json.dumps({"error": f"BCC could not build/load bpf/: {err}",
+                                 "fix": "see the verifier/compiler output above; run `gpuwatch doctor`"}
+                                ).encode())
+        return 1
+    socket.send_fds(sock, [json.dumps({"maps": maps, "progs": progs}).encode()], fds)
+    sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(int(sys.argv[1])))
