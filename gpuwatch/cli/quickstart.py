@@ -73,8 +73,9 @@ def _serve(stack: ExitStack, sampler: Any, host: str, port: int) -> str:
 def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any]:
     """Sim node + demo pods; returns (sim node, bundle roots for the identity resolver)."""
     if os.geteuid() != 0:
-        raise click.ClickException("the simulated node runs workloads in runc containers, which needs "
-                                   "root: run `sudo gpuwatch quickstart` (or `sudo bash deploy/setup.sh run`)")
+        raise click.ClickException(
+            "the simulated node runs workloads in runc containers, which needs root: "
+            "run `sudo gpuwatch quickstart` (or `sudo bash deploy/setup.sh run`)")
     from gpuwatch.containers import BundleRoots
     from gpuwatch.sim import demo
     from gpuwatch.sim import node as simnode
@@ -86,7 +87,7 @@ def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any]:
     stack.callback(simnode.down, "quickstart")
     base = Path(tempfile.mkdtemp(prefix="gpuwatch-quickstart-"))
     dirs = demo.default_lab_dirs(base)
-    lab = ContainerLab(**dirs)  # type: ignore[arg-type]
+    lab = ContainerLab(**dirs)
     stack.enter_context(lab)
     click.echo(f"starting {len(demo.DEFAULT_WORKLOADS)} pods (runc) ...", err=True)
     demo.start_workloads(lab, sim)
