@@ -30,7 +30,8 @@ fi
 
 apt_packages=(python3 python3-venv python3-dev python3-pip gcc libc6-dev make
   python3-bpfcc bpfcc-tools libbpfcc linux-headers-amd64
-  runc strace prometheus prometheus-alertmanager iproute2 procps)
+  runc strace prometheus prometheus-alertmanager iproute2 procps
+  tmux)  # tmux: drives the real `gpuwatch top` curses screen in system tests
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

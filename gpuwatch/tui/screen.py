@@ -16,7 +16,9 @@ import contextlib
 import curses
 import dataclasses
 import locale
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -72,6 +74,24 @@ def _paint(stdscr: curses.window, lines: list[render.ScreenLine], attrs: dict[St
     stdscr.refresh()
 
 
+def _follow_terminal_size(stdscr: curses.window) -> tuple[int, int]:
+    """The screen size, resizing curses if the terminal changed without a KEY_RESIZE.
+
+    A SIGWINCH can be lost (it arrived before curses installed its handler, or the signal
+    is ignored in this process); asking the tty each frame costs one ioctl.
+    """
+    height, width = stdscr.getmaxyx()
+    try:
+        actual = os.get_terminal_size(sys.__stdout__.fileno() if sys.__stdout__ else 1)
+    except (OSError, ValueError):
+        return height, width
+    if (actual.lines, actual.columns) != (height, width) and actual.lines > 0 and actual.columns > 0:
+        with contextlib.suppress(curses.error):
+            curses.resizeterm(actual.lines, actual.columns)
+        height, width = stdscr.getmaxyx()
+    return height, width
+
+
 @contextlib.contextmanager
 def _sigterm_as_exit() -> Iterator[None]:
     """SIGTERM raises SystemExit, so curses.wrapper's cleanup restores the terminal."""
@@ -109,7 +129,7 @@ def _loop(stdscr: curses.window, source: SnapshotSource, state: ViewState, clock
             snapshot, notes=(f"refresh failed: {error}", *snapshot.notes))
         rows = build_rows(shown, state)
         state = reconcile(state, rows)
-        height, width = stdscr.getmaxyx()
+        height, width = _follow_terminal_size(stdscr)
         lines, top = render.screen_lines(shown, state, rows, width, height, top)
         _paint(stdscr, lines, attrs)
         stdscr.timeout(max(int((next_sample - clock()) * 1000), 0))
