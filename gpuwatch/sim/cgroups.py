@@ -9,9 +9,12 @@ The mountinfo path is injectable so the parser is unit-testable without root.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +47,10 @@ class CgroupMounts:
     def v2_dir(self, cgroup_path: str) -> Path:
         """Directory of `cgroup_path` in the v2 tree."""
         if self.v2 is None:
-            raise SimError("no cgroup2 hierarchy is mounted",
-                           fix="mount cgroup2 (e.g. at /sys/fs/cgroup/unified) or boot with a v2 systemd")
+            raise SimError(
+                "no cgroup2 hierarchy is mounted",
+                fix="mount cgroup2 (e.g. at /sys/fs/cgroup/unified) or boot with a v2 systemd",
+            )
         return self.v2 / cgroup_path.lstrip("/")
 
     def all_dirs(self, cgroup_path: str) -> list[Path]:
@@ -77,9 +82,13 @@ def parse_mountinfo(text: str) -> CgroupMounts:
         if fstype == "cgroup2" and v2 is None:
             v2 = mount_point
         elif fstype == "cgroup":
-            names = [o for o in super_options.split(",")
-                     if o not in ("rw", "ro") and not o.startswith(("release_agent", "clone_children"))
-                     and o not in ("noprefix", "cpuset_v2_mode", "xattr", "favordynmods")]
+            names = [
+                o
+                for o in super_options.split(",")
+                if o not in ("rw", "ro")
+                and not o.startswith(("release_agent", "clone_children"))
+                and o not in ("noprefix", "cpuset_v2_mode", "xattr", "favordynmods")
+            ]
             if names:
                 v1.setdefault(",".join(names), mount_point)
     return CgroupMounts(v2=v2, v1=v1)
@@ -176,3 +185,62 @@ def _write_if_present(path: Path, value: str) -> None:
         path.write_text(value)
     except FileNotFoundError:
         return  # the cgroup was removed meanwhile: nothing to thaw
+
+
+@contextlib.contextmanager
+def tree_lock(mounts: CgroupMounts, exclusive: bool) -> Iterator[None]:
+    """flock on the cgroup mount root, shared by creators, exclusive for parent removal.
+
+    Labs in different processes share parent cgroups (/kubepods/burstable...). Without
+    this, one lab can rmdir an empty parent just as another's runc is creating a pod
+    cgroup inside it (runc then fails with ENOENT). Nothing is left on disk by the lock.
+    """
+    root = mounts.v2 or next(iter(mounts.v1.values()), None)
+    if root is None:
+        raise SimError("no cgroup hierarchy is mounted", fix="mount cgroup2 at /sys/fs/cgroup")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the last fd of the open file releases the flock
+
+
+# Extended attribute set on parent cgroups a lab caused (e.g. /kubepods/besteffort), so a
+# lab in another process that finds them empty later knows it may remove them, while
+# parents made by someone else (a real kubelet) are never touched.
+CREATED_MARK = "trusted.gpuwatch-sim-created"
+
+
+def _mark_dir(mounts: CgroupMounts, cgroup_path: str) -> Path | None:
+    if mounts.v2 is not None:
+        return mounts.v2_dir(cgroup_path)
+    dirs = mounts.all_dirs(cgroup_path)
+    return dirs[0] if dirs else None
+
+
+def mark_created(mounts: CgroupMounts, cgroup_path: str) -> bool:
+    """Tag a cgroup as made by the sim lab; False when xattrs are unsupported there."""
+    directory = _mark_dir(mounts, cgroup_path)
+    if directory is None:
+        return False
+    try:
+        os.setxattr(directory, CREATED_MARK, b"1")
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.EPERM, errno.ENOENT):
+            return False
+        raise
+    return True
+
+
+def is_marked_created(mounts: CgroupMounts, cgroup_path: str) -> bool:
+    """True when `mark_created` tagged this cgroup."""
+    directory = _mark_dir(mounts, cgroup_path)
+    if directory is None:
+        return False
+    try:
+        return os.getxattr(directory, CREATED_MARK) == b"1"
+    except OSError as err:
+        if err.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+            return False
+        raise

@@ -103,9 +103,20 @@ def _exit_status(returncode: int) -> int:
 class RunningContainer:
     """One started container. `stop()` is idempotent and removes everything it made."""
 
-    def __init__(self, *, lab: ContainerLab, container_id: str, spec: ContainerSpec, cgroup_path: str,
-                 pod_uid: str | None, pod: str | None, bundle_dir: Path, process: subprocess.Popen[bytes],
-                 host_pid: int, docker_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        lab: ContainerLab,
+        container_id: str,
+        spec: ContainerSpec,
+        cgroup_path: str,
+        pod_uid: str | None,
+        pod: str | None,
+        bundle_dir: Path,
+        process: subprocess.Popen[bytes],
+        host_pid: int,
+        docker_dir: Path | None = None,
+    ) -> None:
         self.id = container_id
         self.name = spec.name
         self.runtime = spec.runtime
@@ -123,8 +134,10 @@ class RunningContainer:
         self._stopped = False
 
     def __repr__(self) -> str:
-        return (f"RunningContainer(name={self.name!r}, runtime={self.runtime!r}, id={self.id[:12]}, "
-                f"host_pid={self.host_pid}, cgroup={self.cgroup_path!r})")
+        return (
+            f"RunningContainer(name={self.name!r}, runtime={self.runtime!r}, id={self.id[:12]}, "
+            f"host_pid={self.host_pid}, cgroup={self.cgroup_path!r})"
+        )
 
     @property
     def v2_dir(self) -> Path:
@@ -178,9 +191,11 @@ class RunningContainer:
         _wait_reaped(members, timeout_s)
         for directory in self._lab.mounts.all_dirs(self.cgroup_path):
             if not cgroups.remove_dir(directory):
-                raise SimError(f"cgroup {directory} of container {self.name} could not be removed",
-                               fix=f"check `cat {directory}/cgroup.procs` and child cgroups")
-        self._lab._remove_owned_cgroup_parents()
+                raise SimError(
+                    f"cgroup {directory} of container {self.name} could not be removed",
+                    fix=f"check `cat {directory}/cgroup.procs` and child cgroups",
+                )
+        self._lab._release_parents(self.cgroup_path)
         self._logs_after_stop = self.logs()
         if self.bundle_dir.exists():
             shutil.rmtree(self.bundle_dir)
@@ -194,8 +209,12 @@ class RunningContainer:
         if self._process.poll() is None:
             # --all: every process of the container, not only init. Failure is fine when
             # the container exited meanwhile; survivors are caught below.
-            subprocess.run([lab.runc, "--root", str(lab.runc_root), "kill", "--all", self.id, "KILL"],
-                           stdin=subprocess.DEVNULL, capture_output=True, check=False)
+            subprocess.run(
+                [lab.runc, "--root", str(lab.runc_root), "kill", "--all", self.id, "KILL"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                check=False,
+            )
         try:
             self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -203,11 +222,18 @@ class RunningContainer:
             self._process.kill()  # runc itself; the container dies with its init
             self._process.wait(timeout=timeout_s)
         if (lab.runc_root / self.id).exists():
-            result = subprocess.run([lab.runc, "--root", str(lab.runc_root), "delete", "--force", self.id],
-                                    stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+            result = subprocess.run(
+                [lab.runc, "--root", str(lab.runc_root), "delete", "--force", self.id],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if result.returncode != 0 and (lab.runc_root / self.id).exists():
-                raise SimError(f"runc delete {self.id[:12]} failed: {result.stderr.strip()}",
-                               fix=f"runc --root {lab.runc_root} delete --force {self.id}")
+                raise SimError(
+                    f"runc delete {self.id[:12]} failed: {result.stderr.strip()}",
+                    fix=f"runc --root {lab.runc_root} delete --force {self.id}",
+                )
 
     def _kill_cgroup(self, timeout_s: float) -> None:
         if not cgroups.kill_all(self.v2_dir):
@@ -221,8 +247,10 @@ class RunningContainer:
         try:
             self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as err:
-            raise SimError(f"process {self.host_pid} of {self.name} survived SIGKILL for {timeout_s} s",
-                           fix=f"inspect /proc/{self.host_pid}/status") from err
+            raise SimError(
+                f"process {self.host_pid} of {self.name} survived SIGKILL for {timeout_s} s",
+                fix=f"inspect /proc/{self.host_pid}/status",
+            ) from err
 
     def _wait_cgroup_empty(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -230,14 +258,17 @@ class RunningContainer:
             cgroups.kill_all(self.v2_dir)
             time.sleep(0.02)
         if left:
-            raise SimError(f"processes {left} of container {self.name} survived {timeout_s} s",
-                           fix=f"echo 1 > {self.v2_dir}/cgroup.kill")
+            raise SimError(
+                f"processes {left} of container {self.name} survived {timeout_s} s",
+                fix=f"echo 1 > {self.v2_dir}/cgroup.kill",
+            )
 
     def __enter__(self) -> RunningContainer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -250,8 +281,13 @@ class ContainerLab:
     runc state dir (default `<work_dir>/runc`, so tests never collide with a real runc).
     """
 
-    def __init__(self, work_dir: str | Path, bundle_root: str | Path | None = None,
-                 docker_root: str | Path | None = None, runc_root: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: str | Path,
+        bundle_root: str | Path | None = None,
+        docker_root: str | Path | None = None,
+        runc_root: str | Path | None = None,
+    ) -> None:
         self.work_dir = Path(work_dir)
         self.bundle_root = Path(bundle_root) if bundle_root is not None else oci.DEFAULT_BUNDLE_ROOT
         self.docker_root = Path(docker_root) if docker_root is not None else oci.DEFAULT_DOCKER_ROOT
@@ -260,7 +296,7 @@ class ContainerLab:
         self._runc: str | None = None
         self._containers: list[RunningContainer] = []
         self._pod_uids: dict[tuple[str, str], str] = {}
-        self._owned_cgroup_dirs: set[Path] = set()  # cgroup parents this lab caused
+        self._owned_parents: set[str] = set()  # parent cgroup paths this lab caused
         self._owned_dirs: list[Path] = []  # bundle/docker parent dirs this lab created
         self._atexit: Callable[[], None] | None = None
 
@@ -279,8 +315,9 @@ class ContainerLab:
     def __enter__(self) -> ContainerLab:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         errors = self._stop_all()
         if errors and exc is not None:
             for error in errors:
@@ -302,8 +339,10 @@ class ContainerLab:
             raise SimError(f"container {spec.name!r} has an empty argv", fix="give the command to run")
         for path in spec.extra_binds + spec.ro_binds:
             if not Path(path).is_absolute() or not Path(path).exists():
-                raise SimError(f"bind source {path!r} does not exist or is not absolute",
-                               fix="create the directory first and pass an absolute path")
+                raise SimError(
+                    f"bind source {path!r} does not exist or is not absolute",
+                    fix="create the directory first and pass an absolute path",
+                )
         if self._atexit is None:
             self._atexit = self._stop_all_quietly
             atexit.register(self._atexit)
@@ -322,8 +361,13 @@ class ContainerLab:
             pod = spec.pod or spec.name
             pod_uid = self._pod_uids.setdefault((spec.namespace, pod), str(uuid.uuid4()))
             cgroup_path = oci.kubepods_cgroup_path(spec.qos, pod_uid, container_id)
-            annotations = oci.k8s_annotations(container_name=spec.name, pod=pod, namespace=spec.namespace,
-                                              pod_uid=pod_uid, sandbox_id=oci.sandbox_id_for(pod_uid))
+            annotations = oci.k8s_annotations(
+                container_name=spec.name,
+                pod=pod,
+                namespace=spec.namespace,
+                pod_uid=pod_uid,
+                sandbox_id=oci.sandbox_id_for(pod_uid),
+            )
             bundle_parent = self.bundle_root / oci.K8S_CONTAINERD_NAMESPACE
             hostname = pod[:63]
         else:
@@ -339,27 +383,74 @@ class ContainerLab:
         try:
             ro_binds = self._system_binds(rootfs)
             ro_binds += [p for p in spec.ro_binds if not _covered(p, ro_binds)]
-            config = oci.build_config(argv=spec.argv, env=spec.env, cgroups_path=cgroup_path,
-                                      hostname=hostname, ro_binds=ro_binds, rw_binds=list(spec.extra_binds),
-                                      annotations=annotations)
+            config = oci.build_config(
+                argv=spec.argv,
+                env=spec.env,
+                cgroups_path=cgroup_path,
+                hostname=hostname,
+                ro_binds=ro_binds,
+                rw_binds=list(spec.extra_binds),
+                annotations=annotations,
+            )
             _write_json(bundle_dir / "config.json", config)
-            self._note_cgroup_parents(cgroup_path)
             self.runc_root.mkdir(parents=True, exist_ok=True)
-            pid_file = bundle_dir / PID_FILE_NAME
-            with open(bundle_dir / LOG_NAME, "wb") as log:
-                process = subprocess.Popen(
-                    [runc, "--root", str(self.runc_root), "run", "--bundle", str(bundle_dir),
-                     "--pid-file", str(pid_file), container_id],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except BaseException:
-            # not started (or interrupted while starting): nothing but the bundle to undo
             shutil.rmtree(bundle_dir)
             raise
-        container = RunningContainer(lab=self, container_id=container_id, spec=spec, cgroup_path=cgroup_path,
-                                     pod_uid=pod_uid, pod=pod, bundle_dir=bundle_dir, process=process,
-                                     host_pid=0)
-        self._containers.append(container)
-        container.host_pid = self._wait_pid_file(container, process, pid_file)
+        pid_file = bundle_dir / PID_FILE_NAME
+        # Shared tree lock from noting the parents until runc has made the cgroups, so a
+        # lab in another process does not rmdir a parent runc is about to create under.
+        with cgroups.tree_lock(self.mounts, exclusive=False):
+            absent = self._absent_parents(cgroup_path)
+            try:
+                with open(bundle_dir / LOG_NAME, "wb") as log:
+                    process = subprocess.Popen(
+                        [
+                            runc,
+                            "--root",
+                            str(self.runc_root),
+                            "run",
+                            "--bundle",
+                            str(bundle_dir),
+                            "--pid-file",
+                            str(pid_file),
+                            container_id,
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+            except BaseException:
+                shutil.rmtree(bundle_dir)  # runc did not start: nothing but the bundle to undo
+                raise
+            container = RunningContainer(
+                lab=self,
+                container_id=container_id,
+                spec=spec,
+                cgroup_path=cgroup_path,
+                pod_uid=pod_uid,
+                pod=pod,
+                bundle_dir=bundle_dir,
+                process=process,
+                host_pid=0,
+            )
+            self._containers.append(container)
+            host_pid = _wait_pid_file(process, pid_file)
+            self._claim_parents(absent)
+        if host_pid is None:
+            failure = (
+                f"runc exited with status {process.returncode}"
+                if process.poll() is not None
+                else f"runc did not start the container in {START_TIMEOUT_S} s"
+            )
+            log_text = container.logs().strip()
+            container.stop()
+            raise SimError(
+                f"container {container.name!r}: {failure}: {log_text[-2000:]}",
+                fix="check the bind paths and argv; run the runc command by hand with the bundle",
+            )
+        container.host_pid = host_pid
         if spec.runtime == "docker":
             container.docker_dir = self._write_docker_config(container, spec, hostname)
         return container
@@ -382,40 +473,48 @@ class ContainerLab:
                 binds.append(extra)
         return binds
 
-    def _note_cgroup_parents(self, cgroup_path: str) -> None:
-        """Remember the parent cgroups runc is about to create, to remove them later."""
-        parents = [p for p in Path(cgroup_path).parents if str(p) != "/"]
-        for parent in parents:
-            for directory in self.mounts.all_dirs(str(parent)):
-                if not directory.exists():
-                    self._owned_cgroup_dirs.add(directory)
+    def _absent_parents(self, cgroup_path: str) -> list[str]:
+        """Parent cgroups of `cgroup_path` that do not exist yet (runc will create them)."""
+        parents = [str(p) for p in Path(cgroup_path).parents if str(p) != "/"]
+        return [p for p in parents if not all(d.is_dir() for d in self.mounts.all_dirs(p))]
 
-    def _wait_pid_file(self, container: RunningContainer, process: subprocess.Popen[bytes],
-                       pid_file: Path) -> int:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if pid_file.exists():
-                text = pid_file.read_text().strip()
-                if text:
-                    return int(text)
-            if process.poll() is not None:
-                break
-            time.sleep(0.01)
-        failure = (f"runc exited with status {process.returncode}" if process.poll() is not None
-                   else f"runc did not start the container in {START_TIMEOUT_S} s")
-        log = container.logs().strip()
-        container.stop()
-        raise SimError(f"container {container.name!r}: {failure}: {log[-2000:]}",
-                       fix="check the bind paths and argv; run the runc command by hand with the bundle")
+    def _claim_parents(self, parents: list[str]) -> None:
+        """Record parents this lab caused, here and (xattr) for labs in other processes."""
+        for parent in parents:
+            self._owned_parents.add(parent)
+            cgroups.mark_created(self.mounts, parent)
+
+    def _release_parents(self, cgroup_path: str) -> None:
+        """rmdir the empty parents of `cgroup_path` that a lab caused, deepest first."""
+        self._release_upwards(str(Path(cgroup_path).parent))
+
+    def _release_upwards(self, cgroup_path: str) -> None:
+        """rmdir `cgroup_path` and then its parents while they are empty and a lab caused
+        them; stops at the first one still in use or made by someone else."""
+        parents = [cgroup_path] + [str(p) for p in Path(cgroup_path).parents]
+        parents = [p for p in parents if p != "/"]
+        with cgroups.tree_lock(self.mounts, exclusive=True):
+            for parent in parents:
+                if parent not in self._owned_parents and not cgroups.is_marked_created(self.mounts, parent):
+                    return
+                if not all(cgroups.remove_dir(d, timeout_s=0.2) for d in self.mounts.all_dirs(parent)):
+                    return
+                self._owned_parents.discard(parent)
 
     def _write_docker_config(self, container: RunningContainer, spec: ContainerSpec, hostname: str) -> Path:
         containers_dir = self.docker_root / "containers"
         self._make_owned_dirs(containers_dir)
         docker_dir = containers_dir / container.id
         docker_dir.mkdir()
-        document = oci.docker_config_v2(container_id=container.id, name=spec.name, argv=spec.argv,
-                                        env=spec.env, labels=spec.annotations, host_pid=container.host_pid,
-                                        hostname=hostname)
+        document = oci.docker_config_v2(
+            container_id=container.id,
+            name=spec.name,
+            argv=spec.argv,
+            env=spec.env,
+            labels=spec.annotations,
+            host_pid=container.host_pid,
+            hostname=hostname,
+        )
         _write_json(docker_dir / "config.v2.json", document)
         return docker_dir
 
@@ -425,19 +524,19 @@ class ContainerLab:
         container_id = secrets.token_hex(32)
         cgroup_path = "/" + (spec.cgroup_path or f"{DEFAULT_CGROUP_PARENT}/{spec.name}").strip("/")
         if cgroup_path == "/" or ".." in Path(cgroup_path).parts:
-            raise SimError(f"refusing cgroup path {cgroup_path!r}",
-                           fix="name a sub-cgroup like /gpuwatch-test/x")
+            raise SimError(
+                f"refusing cgroup path {cgroup_path!r}", fix="name a sub-cgroup like /gpuwatch-test/x"
+            )
         v2_dir = self.mounts.v2_dir(cgroup_path)
         if v2_dir.exists():
-            raise SimError(f"cgroup {v2_dir} already exists",
-                           fix="pick another container name or stop the container using it")
+            raise SimError(
+                f"cgroup {v2_dir} already exists",
+                fix="pick another container name or stop the container using it",
+            )
         dirs = [v2_dir]
         freezer = self.mounts.v1_controller("freezer")
         if freezer is not None:
             dirs.append(freezer / cgroup_path.lstrip("/"))
-        for directory in dirs:
-            created = cgroups.make_dirs(directory)
-            self._owned_cgroup_dirs.update(p for p in created if p != directory)
         bundle_dir = self.work_dir / "cgroup" / container_id
         bundle_dir.mkdir(parents=True)
         procs_files = [os.fsencode(d / "cgroup.procs") for d in dirs]
@@ -453,20 +552,40 @@ class ContainerLab:
                     os.close(fd)
 
         env = {"PATH": oci.DEFAULT_PATH, "PYTHONUNBUFFERED": "1", "HOME": "/root", **spec.env}
-        with open(bundle_dir / LOG_NAME, "wb") as log:
-            try:
-                process = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, env=env, cwd="/",
-                                           start_new_session=True, preexec_fn=enter_cgroup)
-            except OSError:
+        try:
+            with cgroups.tree_lock(self.mounts, exclusive=False), open(bundle_dir / LOG_NAME, "wb") as log:
+                absent = self._absent_parents(cgroup_path)
                 for directory in dirs:
-                    cgroups.remove_dir(directory)
-                self._remove_owned_cgroup_parents()
-                shutil.rmtree(bundle_dir)
-                raise
-        container = RunningContainer(lab=self, container_id=container_id, spec=spec, cgroup_path=cgroup_path,
-                                     pod_uid=None, pod=spec.pod, bundle_dir=bundle_dir, process=process,
-                                     host_pid=process.pid)
+                    cgroups.make_dirs(directory)
+                self._claim_parents(absent)
+                process = subprocess.Popen(
+                    spec.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd="/",
+                    start_new_session=True,
+                    preexec_fn=enter_cgroup,
+                )
+        except BaseException:
+            # not started: undo the cgroups and the log dir (the lock is released by now)
+            for directory in dirs:
+                cgroups.remove_dir(directory)
+            self._release_parents(cgroup_path)
+            shutil.rmtree(bundle_dir)
+            raise
+        container = RunningContainer(
+            lab=self,
+            container_id=container_id,
+            spec=spec,
+            cgroup_path=cgroup_path,
+            pod_uid=None,
+            pod=spec.pod,
+            bundle_dir=bundle_dir,
+            process=process,
+            host_pid=process.pid,
+        )
         self._containers.append(container)
         return container
 
@@ -475,12 +594,6 @@ class ContainerLab:
     def _make_owned_dirs(self, directory: Path) -> None:
         created = cgroups.make_dirs(directory)
         self._owned_dirs.extend(p for p in created if p not in self._owned_dirs)
-
-    def _remove_owned_cgroup_parents(self) -> None:
-        """rmdir the parent cgroups this lab caused, deepest first, when nothing uses them."""
-        for directory in sorted(self._owned_cgroup_dirs, key=lambda p: len(p.parts), reverse=True):
-            if not directory.exists() or cgroups.remove_dir(directory, timeout_s=0.5):
-                self._owned_cgroup_dirs.discard(directory)
 
     def _forget(self, container: RunningContainer) -> None:
         if container in self._containers:
@@ -493,7 +606,8 @@ class ContainerLab:
                 container.stop()
             except SimError as err:
                 errors.append(err)
-        self._remove_owned_cgroup_parents()
+        for parent in sorted(self._owned_parents, key=lambda p: p.count("/"), reverse=True):
+            self._release_upwards(parent)
         for directory in sorted(self._owned_dirs, key=lambda p: len(p.parts), reverse=True):
             try:
                 directory.rmdir()
@@ -515,6 +629,20 @@ class ContainerLab:
             print(f"gpuwatch sim: cleanup failed: {error}", file=sys.stderr)
 
 
+def _wait_pid_file(process: subprocess.Popen[bytes], pid_file: Path) -> int | None:
+    """The host pid runc writes once the container runs; None if runc exits or times out."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if pid_file.exists():
+            text = pid_file.read_text().strip()
+            if text:
+                return int(text)
+        if process.poll() is not None:
+            return None
+        time.sleep(0.01)
+    return None
+
+
 def _wait_reaped(pids: list[int], timeout_s: float) -> None:
     """Wait until `pids` are gone from /proc, not only from the cgroup.
 
@@ -529,8 +657,10 @@ def _wait_reaped(pids: list[int], timeout_s: float) -> None:
             time.sleep(0.01)
     alive = [pid for pid in pending if _state(pid) not in (None, "Z", "X")]
     if alive:
-        raise SimError(f"processes {alive} still run after their cgroup was killed",
-                       fix=f"inspect /proc/{alive[0]}/status")
+        raise SimError(
+            f"processes {alive} still run after their cgroup was killed",
+            fix=f"inspect /proc/{alive[0]}/status",
+        )
 
 
 def _state(pid: int) -> str | None:
@@ -539,7 +669,7 @@ def _state(pid: int) -> str | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return text[text.rindex(")") + 2:].split(" ", 1)[0]
+    return text[text.rindex(")") + 2 :].split(" ", 1)[0]
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,3 +279,37 @@ def test_stop_kills_a_frozen_container(lab: ContainerLab, tmp_path: Path, runtim
     pid = container.host_pid
     container.stop(timeout_s=3)
     _assert_gone(container, tmp_path / "runc", [pid])
+
+
+def test_plain_cgroup_start_failure_removes_its_cgroups(lab: ContainerLab) -> None:
+    path = f"/gpuwatch-test/fail-{os.getpid()}"
+    with pytest.raises(FileNotFoundError):
+        lab.run(ContainerSpec(name="nobin", argv=["/no-such-binary"], runtime="cgroup", cgroup_path=path))
+    for directory in MOUNTS.all_dirs(path):
+        assert not directory.exists()
+    assert lab.containers == []
+
+
+def test_labs_in_parallel_share_parent_cgroups_safely(tmp_path: Path, runc_required: str) -> None:
+    """Two labs start and stop containers under the same /kubepods/besteffort at once:
+    one lab's parent removal must never pull the parent out from under the other's runc."""
+    errors: list[BaseException] = []
+
+    def churn(index: int) -> None:
+        root = tmp_path / f"lab{index}"
+        try:
+            with ContainerLab(root / "w", bundle_root=root / "b", runc_root=root / "r") as lab:
+                for round_index in range(6):
+                    container = lab.run(ContainerSpec(name=f"c{index}-{round_index}", argv=SLEEP,
+                                                      qos="besteffort"))
+                    container.stop()
+        except BaseException as err:  # collected and re-raised in the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert all(not thread.is_alive() for thread in threads)
