@@ -68,7 +68,7 @@ class IdentityResolver:
 
     Roots are injected: `proc_root` (a /proc tree), `cgroup_root` (the cgroup v2 mount;
     default: found in <proc_root>/self/mountinfo), `bundle_roots` (runtime state dirs).
-    Call `begin_sweep()` once per sample interval.
+    Call `begin_sweep()` once per sample interval. Not thread-safe: one sampling loop owns it.
     """
 
     def __init__(
@@ -264,15 +264,26 @@ class IdentityResolver:
         live_paths = {id(e.path_entry) for e in self._pids.values()}
         keep: dict[str, _PathEntry] = {}
         for path, entry in self._paths.items():
+            cgroup_id = entry.identity.cgroup_id
             if entry.fs_dir is not None:
-                alive = os.path.isdir(entry.fs_dir)
+                try:
+                    ino = os.stat(entry.fs_dir).st_ino
+                except OSError:
+                    ino = None
+                # gone, or removed and created again under the same name (a new cgroup id)
+                alive = ino is not None and (cgroup_id is None or ino == cgroup_id)
             else:
                 alive = entry.used_gen >= oldest or id(entry) in live_paths
             if not alive:
                 self.index.forget(path)
                 continue
+            if cgroup_id is None and entry.fs_dir is None and self.mounts.unified is not None:
+                cgroup_id = self.index.id_for_path(path)  # the v2 dir may have appeared since
+                if cgroup_id is not None:
+                    entry.fs_dir = cgroup_dir(self.mounts.unified, path)
+                    entry.identity = replace(entry.identity, cgroup_id=cgroup_id)
             if entry.meta_pending:
-                identity, pending = self._build_identity(path, entry.identity.cgroup_id)
+                identity, pending = self._build_identity(path, cgroup_id)
                 entry.identity, entry.meta_pending = identity, pending
             keep[path] = entry
         kept = {id(e) for e in keep.values()}

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,18 @@ class Node:
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
     return Node(tmp_path)
+
+
+@pytest.fixture
+def mem_node(tmp_path: Path) -> Iterator[Node]:
+    """A Node on tmpfs when there is one (like /proc and cgroupfs, in memory): building 800
+    fake pids on a busy ext4 takes seconds, on tmpfs milliseconds."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        with tempfile.TemporaryDirectory(dir=shm, prefix="gpuwatch-test-") as d:
+            yield Node(Path(d))
+    else:
+        yield Node(tmp_path)
 
 
 @pytest.fixture
@@ -364,19 +378,19 @@ def test_real_proc_self() -> None:
     assert by_id is not None and by_id.cgroup_path == unified
 
 
-def test_warm_sweep_cost_800_pids_200_containers(node: Node) -> None:
+def test_warm_sweep_cost_800_pids_200_containers(mem_node: Node) -> None:
     """The benchmark shape: 800 processes in 200 containers, re-resolved every cycle."""
     pids = []
     for c in range(200):
         cid = f"{c:064x}"
         path = f"/kubepods.slice/kubepods-burstable.slice/{POD_SLICE}/cri-containerd-{cid}.scope"
-        node.cgroup(path)
-        node.bundle(cid, dict(ANN, **{"io.kubernetes.cri.container-name": f"c{c}"}))
+        mem_node.cgroup(path)
+        mem_node.bundle(cid, dict(ANN, **{"io.kubernetes.cri.container-name": f"c{c}"}))
         for k in range(4):
             pid = 1000 + c * 4 + k
-            node.process(pid, path)
+            mem_node.process(pid, path)
             pids.append(pid)
-    r = IdentityResolver(proc_root=str(node.proc), bundle_roots=node.roots)
+    r = IdentityResolver(proc_root=str(mem_node.proc), bundle_roots=mem_node.roots)
     t0 = time.process_time()
     cold = r.resolve_pids(pids)
     t1 = time.process_time()
@@ -395,3 +409,30 @@ def test_warm_sweep_cost_800_pids_200_containers(node: Node) -> None:
         f"({per_cycle_ms * 1e3 / 800:.1f} us/pid)",
     )
     assert per_cycle_ms < 10.0  # half the whole cycle's 20 ms CPU budget, with margin for slow CI
+
+
+def test_cgroup_recreated_under_same_name_gets_new_id(node: Node, clock: FakeClock) -> None:
+    """A container restarted with the same id: same path, new directory, new cgroup id."""
+    old_id = node.cgroup(KPATH)
+    node.bundle(CID, ANN)
+    r = node.resolver(clock)
+    assert r.identity_for_cgroup_path(KPATH).cgroup_id == old_id
+    d = node.unified / KPATH.lstrip("/")
+    moved = node.root / "old-cgroup"
+    d.rename(moved)  # the old inode stays alive until the new dir exists: ids must differ
+    new_id = node.cgroup(KPATH)
+    moved.rmdir()
+    assert new_id != old_id
+    clock.now += 1
+    r.begin_sweep()
+    ident = r.identity_for_cgroup_path(KPATH)
+    assert ident.cgroup_id == new_id and ident.pod_name == "resnet-0"
+
+
+def test_cgroup_that_appears_later_gets_its_id(node: Node, clock: FakeClock) -> None:
+    r = node.resolver(clock)
+    assert r.identity_for_cgroup_path(KPATH).cgroup_id is None
+    cg_id = node.cgroup(KPATH)
+    clock.now += 1
+    r.begin_sweep()
+    assert r.identity_for_cgroup_path(KPATH).cgroup_id == cg_id
