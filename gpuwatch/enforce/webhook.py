@@ -78,21 +78,22 @@ def parse_alertmanager_payload(payload: Any) -> ParseResult:
         name = labels.get("alertname", f"alert {i}")
         action = labels.get("gpuwatch_action", "alert")
         if action not in ACTIONS:
-            rejected.append(f"{name}: unknown gpuwatch_action {action!r} "
-                            f"(one of {', '.join(sorted(ACTIONS))})")
+            rejected.append(f"{name}: unknown gpuwatch_action {action!r} (one of {', '.join(sorted(ACTIONS))})")
             continue
         target = {k: labels[k] for k in TARGET_LABELS if labels.get(k)}
         if not (target.get("container_id") or (target.get("namespace") and target.get("pod"))):
             rejected.append(f"{name}: no target: needs container_id, or namespace and pod labels")
             continue
-        requests.append(WebhookRequest(
-            action=action,
-            firing=alert.get("status", "firing") == "firing",
-            alert_name=name,
-            fingerprint=str(alert.get("fingerprint", "")),
-            target=tuple(sorted(target.items())),
-            labels=tuple(sorted(labels.items())),
-        ))
+        requests.append(
+            WebhookRequest(
+                action=action,
+                firing=alert.get("status", "firing") == "firing",
+                alert_name=name,
+                fingerprint=str(alert.get("fingerprint", "")),
+                target=tuple(sorted(target.items())),
+                labels=tuple(sorted(labels.items())),
+            )
+        )
     return ParseResult(tuple(requests), tuple(rejected))
 
 
@@ -103,15 +104,20 @@ def load_token(path: str | Path) -> str:
         st = p.stat()
         token = p.read_text().strip()
     except OSError as err:
-        raise UnsafeConfiguration(f"webhook token file {p} unreadable: {err.strerror}",
-                                  fix=f"create it: head -c 32 /dev/urandom | base64 > {p}; "
-                                      f"chmod 600 {p}") from err
+        raise UnsafeConfiguration(
+            f"webhook token file {p} unreadable: {err.strerror}",
+            fix=f"create it: head -c 32 /dev/urandom | base64 > {p}; chmod 600 {p}",
+        ) from err
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UnsafeConfiguration(f"webhook token file {p} is readable by group/others "
-                                  f"(mode {stat.S_IMODE(st.st_mode):o})", fix=f"chmod 600 {p}")
+        raise UnsafeConfiguration(
+            f"webhook token file {p} is readable by group/others (mode {stat.S_IMODE(st.st_mode):o})",
+            fix=f"chmod 600 {p}",
+        )
     if len(token) < MIN_TOKEN_CHARS:
-        raise UnsafeConfiguration(f"webhook token in {p} is shorter than {MIN_TOKEN_CHARS} characters",
-                                  fix=f"head -c 32 /dev/urandom | base64 > {p}")
+        raise UnsafeConfiguration(
+            f"webhook token in {p} is shorter than {MIN_TOKEN_CHARS} characters",
+            fix=f"head -c 32 /dev/urandom | base64 > {p}",
+        )
     return token
 
 
@@ -125,7 +131,8 @@ def check_bind_address(host: str, allow_remote: bool) -> None:
         raise UnsafeConfiguration(
             f"refusing to serve the enforcement webhook on {host}: it can pause and kill containers",
             fix="keep the default 127.0.0.1, or pass --webhook-allow-remote to accept remote callers "
-                "(the token is still required)")
+            "(the token is still required)",
+        )
 
 
 Handler = Callable[[WebhookRequest], str]
@@ -136,8 +143,7 @@ class WebhookServer:
 
     PATH = "/api/v1/alerts"
 
-    def __init__(self, host: str, port: int, token: str, handler: Handler,
-                 allow_remote: bool = False) -> None:
+    def __init__(self, host: str, port: int, token: str, handler: Handler, allow_remote: bool = False) -> None:
         check_bind_address(host, allow_remote)
         if len(token) < MIN_TOKEN_CHARS:
             raise UnsafeConfiguration("webhook token too short", fix="use at least 16 random characters")
@@ -155,8 +161,7 @@ class WebhookServer:
         return int(self._httpd.server_address[1])
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gpuwatch-webhook",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gpuwatch-webhook", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -166,7 +171,7 @@ class WebhookServer:
     def authorized(self, header: str | None) -> bool:
         if not header or not header.startswith("Bearer "):
             return False
-        return hmac.compare_digest(header[len("Bearer "):].strip().encode(), self._token)
+        return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self._token)
 
     def handle_payload(self, body: bytes) -> tuple[int, dict[str, Any]]:
         try:
@@ -179,8 +184,7 @@ class WebhookServer:
         results = []
         for req in parsed.requests:
             self.accepted_total += 1
-            results.append({"alert": req.alert_name, "action": req.action,
-                            "result": self._handler(req)})
+            results.append({"alert": req.alert_name, "action": req.action, "result": self._handler(req)})
         for reason in parsed.rejected:
             log.warning("webhook: rejected alert: %s", reason)
         return 200, {"results": results, "rejected": list(parsed.rejected)}
@@ -231,6 +235,8 @@ def token_from_env_or_file(path: str | None) -> str | None:
         return load_token(path)
     token = os.environ.get("GPUWATCH_WEBHOOK_TOKEN", "").strip()
     if token and len(token) < MIN_TOKEN_CHARS:
-        raise UnsafeConfiguration(f"GPUWATCH_WEBHOOK_TOKEN is shorter than {MIN_TOKEN_CHARS} characters",
-                                  fix="use a random token: head -c 32 /dev/urandom | base64")
+        raise UnsafeConfiguration(
+            f"GPUWATCH_WEBHOOK_TOKEN is shorter than {MIN_TOKEN_CHARS} characters",
+            fix="use a random token: head -c 32 /dev/urandom | base64",
+        )
     return token or None

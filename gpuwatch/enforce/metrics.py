@@ -1,0 +1,155 @@
+"""Enforcer metrics as a prometheus Collector: fresh families on every scrape.
+
+gpuwatch_enforce_actions_total{action,result}, gpuwatch_enforce_limit_bytes /
+gpuwatch_enforce_limit_gpu_time_share per container, gpuwatch_enforce_paused /
+gpuwatch_enforce_throttled per container, gpuwatch_policy_reloads_total{result},
+gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuwatch.model import ContainerIdentity
+
+TARGET_LABELS = ["namespace", "pod", "container", "container_id", "cgroup"]
+
+
+def _target_labels(identity: ContainerIdentity) -> list[str]:
+    return [
+        identity.pod_namespace,
+        identity.pod_name,
+        identity.container_name,
+        identity.container_id,
+        identity.cgroup_path,
+    ]
+
+
+@dataclass(frozen=True)
+class TargetLimits:
+    identity: ContainerIdentity
+    rule: str
+    memory_limit_bytes: int | None
+    gpu_time_share_limit: float | None
+
+
+class EnforcerMetrics(Collector):
+    """Counters are updated by the enforcer; gauges are set from its latest view."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.actions: Counter[tuple[str, str]] = Counter()
+        self.reloads: Counter[str] = Counter()
+        self.deadlocks_detected = 0
+        self.deadlocks_resolved = 0
+        self.policy_loaded_s = 0.0
+        self.stale_snapshots = 0
+        self._limits: tuple[TargetLimits, ...] = ()
+        self._paused: tuple[ContainerIdentity, ...] = ()
+        self._throttled: tuple[tuple[ContainerIdentity, float, float | None], ...] = ()
+
+    def count_action(self, action: str, result: str) -> None:
+        with self._lock:
+            self.actions[(action, result)] += 1
+
+    def count_reload(self, ok: bool) -> None:
+        with self._lock:
+            self.reloads["success" if ok else "failure"] += 1
+
+    def count_deadlocks(self, detected: int, resolved: int) -> None:
+        with self._lock:
+            self.deadlocks_detected += detected
+            self.deadlocks_resolved += resolved
+
+    def set_view(
+        self,
+        limits: tuple[TargetLimits, ...],
+        paused: tuple[ContainerIdentity, ...],
+        throttled: tuple[tuple[ContainerIdentity, float, float | None], ...],
+    ) -> None:
+        with self._lock:
+            self._limits, self._paused, self._throttled = limits, paused, throttled
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            actions = dict(self.actions)
+            reloads = dict(self.reloads)
+            limits, paused, throttled = self._limits, self._paused, self._throttled
+            detected, resolved, loaded = (
+                self.deadlocks_detected,
+                self.deadlocks_resolved,
+                self.policy_loaded_s,
+            )
+            stale = self.stale_snapshots
+        fam = CounterMetricFamily(
+            "gpuwatch_enforce_actions",
+            "Enforcement actions by action and result.",
+            labels=["action", "result"],
+        )
+        for (action, result), value in sorted(actions.items()):
+            fam.add_metric([action, result], value)
+        yield fam
+        fam = CounterMetricFamily(
+            "gpuwatch_policy_reloads",
+            "Policy (re)loads by result; a failed reload keeps the running policy.",
+            labels=["result"],
+        )
+        for result in ("success", "failure"):
+            fam.add_metric([result], reloads.get(result, 0))
+        yield fam
+        yield GaugeMetricFamily(
+            "gpuwatch_policy_loaded_timestamp_seconds", "When the running policy was loaded.", value=loaded
+        )
+        yield CounterMetricFamily("gpuwatch_deadlocks_detected", "GPU memory deadlocks detected.", value=detected)
+        yield CounterMetricFamily("gpuwatch_deadlocks_resolved", "GPU memory deadlocks resolved.", value=resolved)
+        yield CounterMetricFamily(
+            "gpuwatch_enforce_stale_snapshots",
+            "Snapshots not acted on because they were older than 2 intervals.",
+            value=stale,
+        )
+        mem = GaugeMetricFamily(
+            "gpuwatch_enforce_limit_bytes",
+            "Current GPU memory limit per container.",
+            labels=[*TARGET_LABELS, "rule"],
+        )
+        share = GaugeMetricFamily(
+            "gpuwatch_enforce_limit_gpu_time_share",
+            "Current GPU-time share limit per container (1 = one GPU).",
+            labels=[*TARGET_LABELS, "rule"],
+        )
+        for item in limits:
+            labels = [*_target_labels(item.identity), item.rule]
+            if item.memory_limit_bytes is not None:
+                mem.add_metric(labels, item.memory_limit_bytes)
+            if item.gpu_time_share_limit is not None:
+                share.add_metric(labels, item.gpu_time_share_limit)
+        yield mem
+        yield share
+        paused_fam = GaugeMetricFamily(
+            "gpuwatch_enforce_paused", "1 while the agent holds the container frozen.", labels=TARGET_LABELS
+        )
+        for identity in paused:
+            paused_fam.add_metric(_target_labels(identity), 1)
+        yield paused_fam
+        throttled_fam = GaugeMetricFamily(
+            "gpuwatch_enforce_throttled_share",
+            "Target GPU-time share of a throttled container.",
+            labels=TARGET_LABELS,
+        )
+        measured = GaugeMetricFamily(
+            "gpuwatch_enforce_throttle_measured_share",
+            "Measured share of a throttled container (closed loop input).",
+            labels=TARGET_LABELS,
+        )
+        for identity, target_share, measured_share in throttled:
+            throttled_fam.add_metric(_target_labels(identity), target_share)
+            if measured_share is not None:
+                measured.add_metric(_target_labels(identity), measured_share)
+        yield throttled_fam
+        yield measured
