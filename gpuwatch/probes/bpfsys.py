@@ -27,6 +27,7 @@ BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
+BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 
 BPF_ANY = 0
@@ -127,6 +128,19 @@ def prog_id(fd: int) -> int:
     attr = _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info))
     _call(SYS_BPF, BPF_OBJ_GET_INFO_BY_FD, ctypes.byref(attr), ctypes.sizeof(attr), what="prog info")
     return int(info.id)
+
+
+def prog_exists(prog_id_: int) -> bool:
+    """Whether a BPF program with this kernel id is still loaded (held by anyone)."""
+    attr = (ctypes.c_uint32 * 4)(prog_id_, 0, 0, 0)
+    ret = _libc.syscall(SYS_BPF, BPF_PROG_GET_FD_BY_ID, ctypes.byref(attr), ctypes.sizeof(attr))
+    if ret >= 0:
+        os.close(ret)
+        return True
+    err = ctypes.get_errno()
+    if err == errno.ENOENT:
+        return False
+    raise BpfSyscallError(err, f"get program {prog_id_}: {os.strerror(err)}")
 
 
 def obj_pin(fd: int, path: str) -> None:

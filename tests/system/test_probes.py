@@ -1,0 +1,365 @@
+"""Kernel probes against real processes in real cgroups (root + BCC).
+
+A tiny C workload (test_probes_workload.c) opens char device nodes (mknod 1:3) under a tmp
+prefix and issues real-encoded NVIDIA ioctls, and calls cuMemAlloc_v2 & co. in a stand-in
+libcuda (test_probes_fakecuda.c). Each test runs workloads in cgroups it creates under the
+cgroup v2 tree, then compares what the probes counted with what the workload did. One
+ProbeManager (one BCC compile) is shared by the module.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.model import ProbeCounters
+from gpuwatch.probes import bpfsys
+from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from tests.conftest import need_bcc
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RM_BOUND = 4096  # max_rm_allocs for this module's manager (the leak test overflows it)
+MiB = 1 << 20
+
+
+def _cgroup2_root() -> Path:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if parts[2] == "cgroup2":
+            return Path(parts[1])
+    pytest.fail("no cgroup v2 mount found")
+
+
+class Workload:
+    """One workload process; it stops at each `pause` until release()."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        assert ready, "workload did not reach its pause point"
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", f"workload failed: rc={self.proc.poll()} {line!r}"
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout_s: float = 60.0) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@dataclass
+class Lab:
+    root: Path
+    prefix: str
+    workload: Path
+    lib: Path
+    cgroup_base: Path
+    procs: list[Workload] = field(default_factory=list)
+    cgroups: list[Path] = field(default_factory=list)
+
+    def cgroup(self, name: str) -> tuple[Path, int]:
+        path = self.cgroup_base / name
+        path.mkdir()
+        self.cgroups.append(path)
+        return path, os.stat(path).st_ino
+
+    def spawn(self, cgroup: Path, *cmds: str) -> Workload:
+        procs_file = str(cgroup / "cgroup.procs")
+
+        def enter_cgroup() -> None:  # before exec, so the workload starts inside
+            with open(procs_file, "w") as f:
+                f.write("0")
+
+        proc = subprocess.Popen([str(self.workload), self.prefix, *cmds], preexec_fn=enter_cgroup,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        w = Workload(proc)
+        self.procs.append(w)
+        return w
+
+    def cleanup(self) -> None:
+        for w in self.procs:
+            w.kill()
+        for path in reversed(self.cgroups):
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self.cgroup_base.rmdir()
+
+
+def build_lab_binaries(work: Path) -> tuple[Path, Path]:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is required (apt-get install gcc)"
+    exe = work / "workload"
+    lib = work / "lib" / "libcuda.so.1"
+    lib.parent.mkdir()
+    subprocess.run([cc, "-O1", "-o", str(exe), str(HERE / "test_probes_workload.c"), "-ldl"], check=True)
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(HERE / "test_probes_fakecuda.c")],
+                   check=True)
+    return exe, lib
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    need_bcc()
+    work = tmp_path_factory.mktemp("probes")
+    exe, lib = build_lab_binaries(work)
+    dev = work / "dev"
+    dev.mkdir()
+    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+        os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))
+    base = _cgroup2_root() / f"gpuwatch-probes-test-{os.getpid()}"
+    base.mkdir()
+    lab = Lab(root=work, prefix=str(dev / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
+    try:
+        yield lab
+    finally:
+        lab.cleanup()
+
+
+@pytest.fixture(scope="module")
+def manager(lab: Lab) -> Iterator[ProbeManager]:
+    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),),
+                                  launch_uprobes=True, max_rm_allocs=RM_BOUND, sweep_interval_s=0.0))
+    pm.start()
+    try:
+        yield pm
+    finally:
+        pm.stop()
+
+
+def counters_for(pm: ProbeManager, cgroup_id: int) -> ProbeCounters:
+    found = [c for c in pm.read() if c.cgroup_id == cgroup_id]
+    assert found, f"no counters for cgroup {cgroup_id}"
+    return found[0]
+
+
+def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    assert predicate(), "condition not reached in time"  # type: ignore[operator]
+
+
+def test_ioctl_counts_and_decoded_bytes_per_cgroup(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("ioctl")
+    w = lab.spawn(cg, "open", "ctl", "open", "0",
+                  "ioctl", "0", "0x2a", "5",                              # 5 x RM_CONTROL
+                  "rmalloc", "1", "7", "100", "0x40", str(3 * MiB), "21",  # on nvidia0
+                  "rmalloc", "0", "7", "101", "0x40", "4096", "64",        # on ctl, NVOS64
+                  "rmalloc", "0", "7", "102", "0xc2", "8192", "x21",       # physical, xfer-wrapped
+                  "rmalloc", "0", "7", "103", "0x3e", "65536", "21",       # system memory: not counted
+                  "rmfree", "0", "7", "101", "00",
+                  "pause")
+    w.wait_ready()
+    c = counters_for(manager, cg_id)
+    assert dict(c.ioctl_calls_by_op) == {"rm_control": 5, "rm_alloc": 4, "rm_free": 1}
+    # the nodes are /dev/null: the kernel answers ENOTTY, and the probes say so
+    assert c.ioctl_failures_total == 10
+    assert dict(c.allocated_bytes_by_gpu) == {0: 3 * MiB, -1: 8192}
+    assert c.allocations_total == 3 and c.frees_total == 1
+    w.release()
+    assert w.finish() == 0
+    wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {0: 0, -1: 0})
+    assert dict(counters_for(manager, cg_id).ioctl_calls_by_op)["rm_alloc"] == 4
+
+
+def test_close_releases_memory_allocated_through_the_fd(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("close")
+    w = lab.spawn(cg, "open", "ctl", "open", "1",
+                  "rmalloc", "1", "9", "200", "0x40", str(MiB), "21",
+                  "rmalloc", "0", "9", "201", "0x40", str(2 * MiB), "21", "pause",
+                  "close", "1", "pause")
+    w.wait_ready()
+    assert dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {1: MiB, -1: 2 * MiB}
+    w.release()
+    w.wait_ready()
+    assert dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {1: 0, -1: 2 * MiB}
+    w.kill()
+    wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {1: 0, -1: 0})
+
+
+def test_cuda_uprobes_bytes_frees_oom_and_kill_balance(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("cuda")
+    manager.poll_events(0)  # drain earlier events
+    w = lab.spawn(cg, "dlopen", str(lab.lib),
+                  "cualloc", "1000000", "3", "cufree", "1",
+                  "cualloc", str(2 << 40), "1",          # > fake capacity: CUDA_ERROR_OUT_OF_MEMORY
+                  "cupitch", "1000", "10",               # pitch 1024 x 10 rows
+                  "cucreate", "65536", "pause")
+    w.wait_ready()
+    c = counters_for(manager, cg_id)
+    assert c.cuda_allocated_bytes == 2 * 1000000 + 1024 * 10 + 65536
+    assert (c.cuda_allocations_total, c.cuda_frees_total, c.cuda_oom_total) == (5, 1, 1)
+    events = manager.poll_events(1000)
+    ooms = [e for e in events if e.type == "oom" and e.tgid == w.pid]
+    assert len(ooms) == 1 and ooms[0].size_bytes == 2 << 40 and ooms[0].cgroup_id == cg_id
+    assert any(e.type == "new_gpu_process" and e.tgid == w.pid for e in events)
+    w.kill()  # SIGKILL without freeing: exit must return everything
+    wait_for(lambda: counters_for(manager, cg_id).cuda_allocated_bytes == 0)
+
+
+def test_launches_counted_per_cgroup(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("launch")
+    w = lab.spawn(cg, "dlopen", str(lab.lib), "culaunch", "700", "cugraph", "20")
+    assert w.finish() == 0
+    c = counters_for(manager, cg_id)
+    assert (c.launches_total, c.graph_launches_total) == (720, 20)
+
+
+def test_two_cgroups_sharing_one_library_inode_are_attributed_separately(
+        lab: Lab, manager: ProbeManager) -> None:
+    cg_a, id_a = lab.cgroup("share-a")
+    cg_b, id_b = lab.cgroup("share-b")
+    a = lab.spawn(cg_a, "dlopen", str(lab.lib), "cualloc", "4096", "3", "open", "0",
+                  "rmalloc", "0", "1", "10", "0x40", str(MiB), "21", "pause")
+    b = lab.spawn(cg_b, "dlopen", str(lab.lib), "cualloc", "8192", "5", "open", "0",
+                  "rmalloc", "0", "1", "10", "0x40", str(5 * MiB), "21", "pause")
+    a.wait_ready()
+    b.wait_ready()
+    assert len({lib.inode_key for lib in manager.attached_libraries()
+                if os.stat(lib.path).st_ino == os.stat(lab.lib).st_ino}) == 1
+    ca, cb = counters_for(manager, id_a), counters_for(manager, id_b)
+    assert (ca.cuda_allocated_bytes, cb.cuda_allocated_bytes) == (3 * 4096, 5 * 8192)
+    assert (dict(ca.allocated_bytes_by_gpu)[0], dict(cb.allocated_bytes_by_gpu)[0]) == (MiB, 5 * MiB)
+    a.release()
+    b.release()
+    assert (a.finish(), b.finish()) == (0, 0)
+
+
+def test_library_copy_at_new_inode_is_attached_after_rescan(lab: Lab, manager: ProbeManager) -> None:
+    copy_dir = lab.root / "container-root" / "usr" / "lib"
+    copy_dir.mkdir(parents=True)
+    copy = copy_dir / "libcuda.so.1"
+    shutil.copy(lab.lib, copy)  # a container's own libcuda: same bytes, new inode
+    cg, cg_id = lab.cgroup("rescan")
+    w = lab.spawn(cg, "dlopen", str(copy), "pause", "cualloc", "12345", "2", "pause")
+    w.wait_ready()
+    inode = (os.stat(copy).st_dev, os.stat(copy).st_ino)
+    assert inode not in {lib.inode_key for lib in manager.attached_libraries()}
+    assert manager.rescan() == 1
+    assert inode in {lib.inode_key for lib in manager.attached_libraries()}
+    assert manager.rescan() == 0  # one attachment per inode
+    w.release()
+    w.wait_ready()
+    assert counters_for(manager, cg_id).cuda_allocated_bytes == 2 * 12345
+    w.release()
+    assert w.finish() == 0
+
+
+def test_over_limit_allocation_is_killed_in_kernel(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("limit")
+    manager.set_limit(cg_id, 5 * 1000, action="kill")
+    try:
+        manager.poll_events(0)
+        w = lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "1000", "10", "pause")
+        assert w.finish() == -signal.SIGKILL
+        events = [e for e in manager.poll_events(1000) if e.tgid == w.pid]
+        assert [e.type for e in events if e.type in ("over_limit", "kill")] == ["over_limit", "kill"]
+        wait_for(lambda: counters_for(manager, cg_id).cuda_allocated_bytes == 0)
+        assert counters_for(manager, cg_id).cuda_allocations_total == 5
+    finally:
+        manager.clear_limit(cg_id)
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_100k_leaked_allocations_stay_within_the_bound_and_overflow_is_counted(
+        lab: Lab, manager: ProbeManager) -> None:
+    manager.sweep()
+    before = manager.stats()
+    free_slots = RM_BOUND - manager.live_entries()["gw_rm"]
+    rss_before = _rss_kib()
+    cg, cg_id = lab.cgroup("leak")
+    w = lab.spawn(cg, "open", "0", "rmleak", "0", "3", "1000", "100000", "4096", "pause")
+    w.wait_ready(timeout_s=120)
+    c = counters_for(manager, cg_id)
+    assert dict(c.allocated_bytes_by_gpu)[0] == 100000 * 4096  # exact even past the bound
+    assert manager.live_entries()["gw_rm"] <= RM_BOUND
+    overflow = manager.stats()["rm_alloc_overflow"] - before["rm_alloc_overflow"]
+    assert overflow == 100000 - free_slots
+    assert _rss_kib() - rss_before < 8 * 1024  # the agent reads counters, not entries
+    w.kill()
+    wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu)[0] == 0)
+    manager.sweep()
+    assert manager.live_entries()["gw_rm"] == 0
+
+
+def test_stop_leaves_nothing_attached(lab: Lab) -> None:
+    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),)))
+    pm.start()
+    ids = pm.prog_ids()
+    assert ids and all(bpfsys.prog_exists(i) for i in ids)
+    assert pm.attached_libraries()
+    pm.stop()
+    pm.stop()  # idempotent
+    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids))
+    assert "gw_" not in _uprobe_events()
+
+
+def _uprobe_events() -> str:
+    root = bpfsys.tracefs_root()
+    return (root / "uprobe_events").read_text()
+
+
+def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached(lab: Lab) -> None:
+    script = textwrap.dedent(f"""
+        import sys, time
+        from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+        pm = ProbeManager(ProbeConfig(device_prefix={lab.prefix!r}, libcuda_paths=({str(lab.lib)!r},),
+                                      launch_uprobes=True))
+        pm.start()
+        print(",".join(map(str, pm.prog_ids())), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        ids = [int(i) for i in line.strip().split(",") if i]
+        assert ids and all(bpfsys.prog_exists(i) for i in ids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids))
+    assert "gw_" not in _uprobe_events()
