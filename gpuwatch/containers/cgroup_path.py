@@ -68,9 +68,7 @@ _RULES: tuple[_Rule, ...] = (
 
 # containerd v1 with a systemd-style cgroupsPath but the cgroupfs driver writes one component
 # "<pod slice>:cri-containerd:<id>" (seen in Kepler's tests): split it into pod + container.
-_COLON_FORM = re.compile(
-    rf"^(?P<slice>[^:]+\.slice):(?P<prefix>cri-containerd|crio|docker):(?P<id>{_HEX64})$"
-)
+_COLON_FORM = re.compile(rf"^(?P<slice>[^:]+\.slice):(?P<prefix>cri-containerd|crio|docker):(?P<id>{_HEX64})$")
 _COLON_RUNTIME = {"cri-containerd": CONTAINERD, "crio": CRIO, "docker": DOCKER}
 
 # Pod cgroups. systemd driver: kubepods-pod<uid>.slice (guaranteed),

@@ -104,7 +104,8 @@ class CgroupIdIndex:
 
     def id_for_path(self, path: str) -> int | None:
         """Inode of <v2 mount><path>, or None without a v2 mount or if the dir is absent."""
-        if self.unified_root is None:
+        if self.unified_root is None or "/.." in path:
+            # ".." means the cgroup lies outside our cgroup namespace: no dir of ours names it
             return None
         try:
             ino = os.stat(cgroup_dir(self.unified_root, path)).st_ino

@@ -86,9 +86,7 @@ def metadata_from_annotations(annotations: Mapping[str, Any], runtime: str, sour
                 return v
         return ""
 
-    pod_name = first(
-        "io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeName"
-    )
+    pod_name = first("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeName")
     namespace = first(
         "io.kubernetes.pod.namespace", "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri-o.Namespace"
     )

@@ -9,7 +9,8 @@ Three caches, each validated cheaply:
   `begin_sweep` when the cgroup directory is gone.
 * per container id: metadata from the runtime's files (metadata.py), dropped when no cached
   cgroup refers to the container any more; a miss is retried every `metadata_retry_s`.
-Nothing is ever dropped from the output: unknown cgroups are runtime "unknown" with the path.
+Zombies (exited, not yet reaped) count as gone. Nothing is ever dropped from the output:
+unknown cgroups are runtime "unknown" with the raw path.
 """
 
 from __future__ import annotations
@@ -234,18 +235,14 @@ class IdentityResolver:
             return base, True
         return _merge(base, meta), False
 
-    def _metadata(
-        self, container_id: str, runtime_hint: str, runc_only: bool = False
-    ) -> ContainerMetadata | None:
+    def _metadata(self, container_id: str, runtime_hint: str, runc_only: bool = False) -> ContainerMetadata | None:
         now = self._clock()
         cached = self._meta.get(container_id)
         fresh = cached is not None and now - cached.fetched_s < self._metadata_retry_s
         if cached is not None and (cached.meta is not None or fresh):
             return cached.meta
-        if runc_only:
-            meta = self._lookup.lookup_runc(container_id)
-        else:
-            meta = self._lookup.lookup(container_id, runtime_hint)
+        lookup = self._lookup
+        meta = lookup.lookup_runc(container_id) if runc_only else lookup.lookup(container_id, runtime_hint)
         self._meta[container_id] = _MetaEntry(meta, now)
         return meta
 
@@ -290,9 +287,7 @@ class IdentityResolver:
         tracked = {id(e) for e in self._paths.values()}
         # a pid whose cgroup went away is revalidated from scratch (it is usually a zombie)
         self._pids = {
-            pid: e
-            for pid, e in self._pids.items()
-            if id(e.path_entry) in kept or id(e.path_entry) not in tracked
+            pid: e for pid, e in self._pids.items() if id(e.path_entry) in kept or id(e.path_entry) not in tracked
         }
         self._paths = keep
         referenced = {e.identity.container_id for e in keep.values() if e.identity.container_id}

@@ -59,9 +59,7 @@ class MiniRunc:
         spec["root"] = {"path": "rootfs", "readonly": True}
         for d in RO_BINDS:
             if os.path.isdir(d):
-                spec["mounts"].append(
-                    {"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]}
-                )
+                spec["mounts"].append({"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]})
         spec["linux"]["cgroupsPath"] = cgroups_path
         spec["linux"]["namespaces"] = [n for n in spec["linux"]["namespaces"] if n["type"] != "network"]
         spec["annotations"] = annotations

@@ -88,15 +88,11 @@ def test_sandbox_gets_pod_container_name() -> None:
 
 
 def test_non_string_annotation_values_ignored() -> None:
-    m = metadata_from_annotations(
-        {"io.kubernetes.pod.name": 5, "io.kubernetes.pod.namespace": None}, "r", "x"
-    )
+    m = metadata_from_annotations({"io.kubernetes.pod.name": 5, "io.kubernetes.pod.namespace": None}, "r", "x")
     assert (m.pod_name, m.pod_namespace) == ("", "")
 
 
-@pytest.mark.parametrize(
-    "text", ["", "{", "[]", "null", '"str"', '{"annotations": 7}', '{"annotations": []}']
-)
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", '"str"', '{"annotations": 7}', '{"annotations": []}'])
 def test_oci_config_garbage(text: str) -> None:
     m = parse_oci_config(text, "containerd", "x")
     assert m is None or (m.pod_name, m.container_name) == ("", "")

@@ -246,9 +246,7 @@ CASES: list[tuple[str, str, str, str, str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("path", "runtime", "cid", "pod_uid", "qos", "name"), CASES, ids=lambda v: str(v)[:60]
-)
+@pytest.mark.parametrize(("path", "runtime", "cid", "pod_uid", "qos", "name"), CASES, ids=lambda v: str(v)[:60])
 def test_real_world_paths(path: str, runtime: str, cid: str, pod_uid: str, qos: str, name: str) -> None:
     ident = parse_cgroup_path(path)
     assert (ident.runtime, ident.container_id, ident.pod_uid, ident.qos_class, ident.container_name) == (

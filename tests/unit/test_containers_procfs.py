@@ -20,8 +20,7 @@ KPATH = f"/kubepods/burstable/pod11111111-2222-3333-4444-555555555555/{ID}"
 
 # What runc 1.1 wrote on this hybrid build machine for a container with that cgroupsPath.
 HYBRID_RUNC = "\n".join(
-    [f"{n}:{c}:{KPATH}" for n, c in [(9, "name=systemd"), (8, "pids"), (4, "memory"), (1, "cpu")]]
-    + [f"0::{KPATH}", ""]
+    [f"{n}:{c}:{KPATH}" for n, c in [(9, "name=systemd"), (8, "pids"), (4, "memory"), (1, "cpu")]] + [f"0::{KPATH}", ""]
 )
 # This machine's own sandbox: only the v1 memory controller places it somewhere.
 HYBRID_V1_ONLY = "9:name=systemd:/\n4:memory:/process_api/82a1dc48c19ca99d74bbe6f9cb8c9c0d\n1:cpu:/\n0::/\n"

@@ -312,9 +312,7 @@ def test_hybrid_v1_only_process_uses_v1_dir_for_liveness(node: Node, clock: Fake
 def test_explicit_cgroup_root_overrides_mountinfo(node: Node, clock: FakeClock, tmp_path: Path) -> None:
     other = tmp_path / "v2"
     (other / "x.service").mkdir(parents=True)
-    r = IdentityResolver(
-        proc_root=str(node.proc), cgroup_root=str(other), bundle_roots=node.roots, clock=clock
-    )
+    r = IdentityResolver(proc_root=str(node.proc), cgroup_root=str(other), bundle_roots=node.roots, clock=clock)
     assert r.identity_for_cgroup_path("/x.service").cgroup_id == (other / "x.service").stat().st_ino
 
 
@@ -327,9 +325,7 @@ def test_explicit_cgroup_root_overrides_mountinfo(node: Node, clock: FakeClock, 
         ({"cgroup": "0::\n1:\n::::\n"}, "host"),
     ],
 )
-def test_garbage_proc_files(
-    node: Node, clock: FakeClock, files: dict[str, str | None], expect_runtime: str
-) -> None:
+def test_garbage_proc_files(node: Node, clock: FakeClock, files: dict[str, str | None], expect_runtime: str) -> None:
     node.cgroup(KPATH)
     node.bundle(CID, ANN)
     d = node.process(80, KPATH)
@@ -436,3 +432,12 @@ def test_cgroup_that_appears_later_gets_its_id(node: Node, clock: FakeClock) -> 
     clock.now += 1
     r.begin_sweep()
     assert r.identity_for_cgroup_path(KPATH).cgroup_id == cg_id
+
+
+def test_path_outside_our_cgroup_namespace(node: Node, clock: FakeClock) -> None:
+    """An agent in a private cgroupns sees other pods as /../../kubepods/...: the identity is
+    still parsed from the path, but no id is made up for a dir we cannot see."""
+    node.cgroup(KPATH)
+    node.process(95, "", cgroup_text=f"0::/../..{KPATH}\n")
+    i = node.resolver(clock).resolve_pid(95).identity  # type: ignore[union-attr]
+    assert (i.container_id, i.pod_uid, i.cgroup_id) == (CID, UID, None)
