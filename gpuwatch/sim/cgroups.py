@@ -53,6 +53,11 @@ class CgroupMounts:
             )
         return self.v2 / cgroup_path.lstrip("/")
 
+    @property
+    def roots(self) -> list[Path]:
+        """Mount points of every hierarchy (v2 first)."""
+        return ([self.v2] if self.v2 is not None else []) + list(self.v1.values())
+
     def all_dirs(self, cgroup_path: str) -> list[Path]:
         """Directories of `cgroup_path` in every hierarchy (v2 first, then v1)."""
         dirs = [self.v2 / cgroup_path.lstrip("/")] if self.v2 is not None else []
@@ -212,18 +217,8 @@ def tree_lock(mounts: CgroupMounts, exclusive: bool) -> Iterator[None]:
 CREATED_MARK = "trusted.gpuwatch-sim-created"
 
 
-def _mark_dir(mounts: CgroupMounts, cgroup_path: str) -> Path | None:
-    if mounts.v2 is not None:
-        return mounts.v2_dir(cgroup_path)
-    dirs = mounts.all_dirs(cgroup_path)
-    return dirs[0] if dirs else None
-
-
-def mark_created(mounts: CgroupMounts, cgroup_path: str) -> bool:
-    """Tag a cgroup as made by the sim lab; False when xattrs are unsupported there."""
-    directory = _mark_dir(mounts, cgroup_path)
-    if directory is None:
-        return False
+def mark_created(directory: Path) -> bool:
+    """Tag a cgroup directory as made by the sim lab; False when xattrs are unsupported."""
     try:
         os.setxattr(directory, CREATED_MARK, b"1")
     except OSError as err:
@@ -233,11 +228,8 @@ def mark_created(mounts: CgroupMounts, cgroup_path: str) -> bool:
     return True
 
 
-def is_marked_created(mounts: CgroupMounts, cgroup_path: str) -> bool:
-    """True when `mark_created` tagged this cgroup."""
-    directory = _mark_dir(mounts, cgroup_path)
-    if directory is None:
-        return False
+def is_marked_created(directory: Path) -> bool:
+    """True when `mark_created` tagged this cgroup directory."""
     try:
         return os.getxattr(directory, CREATED_MARK) == b"1"
     except OSError as err:

@@ -296,7 +296,7 @@ class ContainerLab:
         self._runc: str | None = None
         self._containers: list[RunningContainer] = []
         self._pod_uids: dict[tuple[str, str], str] = {}
-        self._owned_parents: set[str] = set()  # parent cgroup paths this lab caused
+        self._owned_parents: set[Path] = set()  # parent cgroup dirs this lab caused
         self._owned_dirs: list[Path] = []  # bundle/docker parent dirs this lab created
         self._atexit: Callable[[], None] | None = None
 
@@ -473,33 +473,37 @@ class ContainerLab:
                 binds.append(extra)
         return binds
 
-    def _absent_parents(self, cgroup_path: str) -> list[str]:
-        """Parent cgroups of `cgroup_path` that do not exist yet (runc will create them)."""
+    def _absent_parents(self, cgroup_path: str) -> list[Path]:
+        """Parent cgroup dirs of `cgroup_path`, in any hierarchy, that do not exist yet."""
         parents = [str(p) for p in Path(cgroup_path).parents if str(p) != "/"]
-        return [p for p in parents if not all(d.is_dir() for d in self.mounts.all_dirs(p))]
+        return [d for p in parents for d in self.mounts.all_dirs(p) if not d.is_dir()]
 
-    def _claim_parents(self, parents: list[str]) -> None:
-        """Record parents this lab caused, here and (xattr) for labs in other processes."""
-        for parent in parents:
-            self._owned_parents.add(parent)
-            cgroups.mark_created(self.mounts, parent)
+    def _claim_parents(self, created: list[Path]) -> None:
+        """Record parent dirs this lab caused, here and (xattr) for labs in other processes."""
+        for directory in created:
+            if directory.is_dir():
+                self._owned_parents.add(directory)
+                cgroups.mark_created(directory)
 
     def _release_parents(self, cgroup_path: str) -> None:
         """rmdir the empty parents of `cgroup_path` that a lab caused, deepest first."""
         self._release_upwards(str(Path(cgroup_path).parent))
 
     def _release_upwards(self, cgroup_path: str) -> None:
-        """rmdir `cgroup_path` and then its parents while they are empty and a lab caused
-        them; stops at the first one still in use or made by someone else."""
-        parents = [cgroup_path] + [str(p) for p in Path(cgroup_path).parents]
-        parents = [p for p in parents if p != "/"]
+        """rmdir `cgroup_path` and then its parents, in each hierarchy, while they are empty
+        and a lab caused them; stops at the first one still in use or made by someone else."""
+        paths = [cgroup_path] + [str(p) for p in Path(cgroup_path).parents if str(p) != "/"]
         with cgroups.tree_lock(self.mounts, exclusive=True):
-            for parent in parents:
-                if parent not in self._owned_parents and not cgroups.is_marked_created(self.mounts, parent):
-                    return
-                if not all(cgroups.remove_dir(d, timeout_s=0.2) for d in self.mounts.all_dirs(parent)):
-                    return
-                self._owned_parents.discard(parent)
+            for root in self.mounts.roots:
+                for directory in (root / p.lstrip("/") for p in paths):
+                    if not directory.exists():
+                        self._owned_parents.discard(directory)
+                        continue
+                    if directory not in self._owned_parents and not cgroups.is_marked_created(directory):
+                        break
+                    if not cgroups.remove_dir(directory, timeout_s=0.2):
+                        break
+                    self._owned_parents.discard(directory)
 
     def _write_docker_config(self, container: RunningContainer, spec: ContainerSpec, hostname: str) -> Path:
         containers_dir = self.docker_root / "containers"
@@ -595,6 +599,10 @@ class ContainerLab:
         created = cgroups.make_dirs(directory)
         self._owned_dirs.extend(p for p in created if p not in self._owned_dirs)
 
+    def _mount_root(self, directory: Path) -> Path:
+        """The hierarchy mount point `directory` lies in."""
+        return next(root for root in self.mounts.roots if root in directory.parents)
+
     def _forget(self, container: RunningContainer) -> None:
         if container in self._containers:
             self._containers.remove(container)
@@ -606,8 +614,8 @@ class ContainerLab:
                 container.stop()
             except SimError as err:
                 errors.append(err)
-        for parent in sorted(self._owned_parents, key=lambda p: p.count("/"), reverse=True):
-            self._release_upwards(parent)
+        for parent in sorted(self._owned_parents, key=lambda p: len(p.parts), reverse=True):
+            self._release_upwards("/" + str(parent.relative_to(self._mount_root(parent))))
         for directory in sorted(self._owned_dirs, key=lambda p: len(p.parts), reverse=True):
             try:
                 directory.rmdir()

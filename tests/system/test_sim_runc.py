@@ -313,3 +313,32 @@ def test_labs_in_parallel_share_parent_cgroups_safely(tmp_path: Path, runc_requi
         thread.join(timeout=30)
     assert not errors, errors
     assert all(not thread.is_alive() for thread in threads)
+
+
+def test_the_last_lab_out_removes_parents_another_lab_made(tmp_path: Path, root_required: None) -> None:
+    """Lab 1 makes the parent cgroup, lab 2 joins it, lab 1 leaves first: lab 2 must
+    remove the parent (marked as lab-made), which it did not create itself."""
+    top = f"/gpuwatch-test-shared-{os.getpid()}"
+    first = ContainerLab(tmp_path / "1")
+    second = ContainerLab(tmp_path / "2")
+    with first:
+        first.run(ContainerSpec(name="a", argv=SLEEP, runtime="cgroup", cgroup_path=f"{top}/p/a"))
+        with second:
+            second.run(ContainerSpec(name="b", argv=SLEEP, runtime="cgroup", cgroup_path=f"{top}/p/b"))
+            first.close()
+            assert MOUNTS.v2_dir(f"{top}/p").is_dir()  # b still uses it
+        for directory in MOUNTS.all_dirs(top):
+            assert not directory.exists(), directory
+
+
+def test_parents_made_by_someone_else_are_left_alone(lab: ContainerLab, root_required: None) -> None:
+    top = f"/gpuwatch-test-foreign-{os.getpid()}"
+    foreign = MOUNTS.v2_dir(top)
+    foreign.mkdir()
+    try:
+        container = lab.run(ContainerSpec(name="f", argv=SLEEP, runtime="cgroup", cgroup_path=f"{top}/c"))
+        container.stop()
+        assert foreign.is_dir()
+        assert not MOUNTS.v2_dir(f"{top}/c").exists()
+    finally:
+        foreign.rmdir()
