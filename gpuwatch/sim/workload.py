@@ -58,9 +58,7 @@ class WorkloadSpec:
 
     def validate(self) -> None:
         if self.pattern not in PATTERNS:
-            raise SimError(
-                f"unknown memory pattern {self.pattern!r}", fix=f"use one of {', '.join(PATTERNS)}"
-            )
+            raise SimError(f"unknown memory pattern {self.pattern!r}", fix=f"use one of {', '.join(PATTERNS)}")
         if not 0.0 <= self.duty <= 1.0:
             raise SimError(f"duty {self.duty} is outside 0..1", fix="pass --duty between 0 and 1")
         if self.kernel_ms <= 0 or self.interval_s < 0 or self.steps < 0 or self.mib_per_step < 0:
@@ -206,13 +204,14 @@ class Workload:
             if wait > 0:
                 time.sleep(min(wait, left, 0.05))
                 continue
+            r0 = _runnable_s()
             self.cuda.kernel(int(spec.kernel_ms * 1000))
             self.progress += 1
             self._write_progress()
-            # fixed-rate schedule (period = kernel / duty), so busy / wall == duty
-            # however long each launch took; no catching up after falling behind
-            period_s = spec.kernel_ms / 1000.0 / spec.duty
-            self._next_kernel = max(self._next_kernel + period_s, time.monotonic() - period_s)
+            # next kernel when busy / duty of wall time has passed (busy = the runnable
+            # time the launch took, what the stub credits), so busy / wall == duty
+            # however long launches or wake-ups took; at most 0.5 s of backlog
+            self._next_kernel = max(self._next_kernel + (_runnable_s() - r0) / spec.duty, time.monotonic() - 0.5)
 
     def _allocate(self, nbytes: int) -> None:
         self.held.append(self.cuda.alloc(nbytes))
@@ -265,6 +264,16 @@ class Workload:
         for ptr in self.held:
             self.cuda.free(ptr)
         return 0
+
+
+def _runnable_s() -> float:
+    """Runnable time of this thread: CPU time + run-queue wait (schedstat field 2)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            delay_ns = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        delay_ns = 0
+    return (time.thread_time_ns() + delay_ns) / 1e9
 
 
 def default_progress_file() -> Path | None:

@@ -768,8 +768,8 @@ static CUresult run_kernel(uint64_t duration_us)
         uint64_t d = (c - c0) + (dl >= d0 ? dl - d0 : 0);
         c0 = c;
         d0 = dl;
-        if (d > target - done)
-            d = target - done;
+        /* not clipped: a preemption at the end of a kernel lengthens it, as the launch
+         * call really took that long while runnable */
         done += d;
         pending += d;
         uint64_t now = sim_realtime_ns();

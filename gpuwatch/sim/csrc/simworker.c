@@ -17,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -62,6 +63,23 @@ static void sleep_s(double s)
     ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
     while (nanosleep(&ts, &ts) < 0 && errno == EINTR && !g_stop) {
     }
+}
+
+/* runnable time of this thread: CPU time + run-queue wait (schedstat field 2) */
+static double runnable_s(int fd)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    char buf[128];
+    ssize_t n = fd >= 0 ? pread(fd, buf, sizeof(buf) - 1, 0) : -1;
+    if (n > 0) {
+        buf[n] = 0;
+        char *p = strchr(buf, ' ');
+        if (p)
+            t += (double)strtoull(p + 1, NULL, 10) / 1e9;
+    }
+    return t;
 }
 
 static int usage(void)
@@ -141,24 +159,28 @@ int main(int argc, char **argv)
 
     uint64_t kernel_us = (uint64_t)(kernel_ms * 1000.0);
     void *params[1] = {&kernel_us};
-    /* fixed-rate schedule: kernel k starts at t0 + k * period, period = kernel / duty,
-     * so busy / wall == duty however long each launch took in wall time */
-    double period_s = duty > 0 ? kernel_ms / 1000.0 / duty : 0.1;
+    int sfd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    /* Duty schedule: the next kernel starts when busy / duty of wall time has passed,
+     * where busy is the runnable time the launches really took (what the stub credits),
+     * so busy / wall == duty however long each launch or wake-up took. A late start
+     * is made up by the next kernels; a long stall (frozen, stopped) is not: at most
+     * half a second of backlog is kept. */
     double next = now_s();
     while (!g_stop && (lifetime_s <= 0 || now_s() - start < lifetime_s)) {
         if (duty <= 0) {
             sleep_s(0.1);
             continue;
         }
+        double r0 = runnable_s(sfd);
         r = cuLaunchKernel((void *)1, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
         if (r) {
             fprintf(stderr, "simworker: cuLaunchKernel failed: %d\n", r);
             return 3;
         }
-        next += period_s;
+        next += (runnable_s(sfd) - r0) / duty;
         double now = now_s();
-        if (next < now - period_s)
-            next = now; /* fell behind (e.g. frozen): do not try to catch up */
+        if (next < now - 0.5)
+            next = now - 0.5;
         sleep_s(next - now);
     }
     if (do_free)

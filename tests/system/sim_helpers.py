@@ -1,0 +1,106 @@
+"""Helpers for the simulated-node system tests: a private node per test, native
+workers that are always killed, and nvidia-ml-py run in a fresh subprocess (NVML
+state is process-global, and the subprocess loads the fake by soname through
+LD_LIBRARY_PATH exactly as on a real node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.sim import SimNode, down, sim_env, up
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@contextmanager
+def private_node(tmp_path: Path, **kwargs: Any) -> Iterator[SimNode]:
+    """A simulated node with a unique name/state file, always taken down."""
+    name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    node = up(name=name, root=tmp_path / "simroot", **kwargs)
+    try:
+        yield node
+    finally:
+        down(name)
+
+
+class Workers:
+    """Starts simworkers (or any command) on a node; kills them all on close."""
+
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def env(self) -> dict[str, str]:
+        return sim_env(self.node, dict(os.environ))
+
+    def start(self, *args: str, argv: list[str] | None = None) -> subprocess.Popen[str]:
+        cmd = argv or [str(self.node.libraries.worker_path), *args]
+        proc = subprocess.Popen(cmd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_ready(self, *args: str) -> tuple[subprocess.Popen[str], int]:
+        """Start a simworker and wait for its "ready <pid> <bytes>" line."""
+        proc = self.start(*args)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "ready", (
+            f"worker did not get ready: {line} {proc.stderr.read() if proc.stderr else ''}"
+        )
+        return proc, int(line[2])
+
+    @staticmethod
+    def wait_line(proc: subprocess.Popen[str], prefix: str) -> list[str]:
+        """Read the process's stdout until a line starting with `prefix`; its words."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line.split()
+        err = proc.stderr.read() if proc.stderr else ""
+        pytest.fail(f"process {proc.args!r} ended without printing {prefix!r}: {err[-2000:]}")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=10)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@contextmanager
+def workers(node: SimNode) -> Iterator[Workers]:
+    w = Workers(node)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def run_nvml(node: SimNode, code: str, timeout_s: float = 30, **extra_env: str) -> Any:
+    """Run `code` (with pynvml imported and initialised) in a fresh interpreter whose
+    environment points at `node`; the code prints one JSON document, returned here."""
+    prologue = "import json, os, sys, time, ctypes\nimport pynvml\npynvml.nvmlInit()\n"
+    env = sim_env(node, dict(os.environ))
+    env.update(extra_env)
+    proc = subprocess.run(
+        [sys.executable, "-c", prologue + code], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"NVML script failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
