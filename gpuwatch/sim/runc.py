@@ -220,7 +220,13 @@ class RunningContainer:
         except subprocess.TimeoutExpired:
             cgroups.kill_all(self.v2_dir)
             self._process.kill()  # runc itself; the container dies with its init
-            self._process.wait(timeout=timeout_s)
+            try:
+                self._process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired as err:
+                raise SimError(
+                    f"runc for container {self.name} did not exit {2 * timeout_s} s after SIGKILL",
+                    fix=f"inspect /proc/{self._process.pid}/status",
+                ) from err
         if (lab.runc_root / self.id).exists():
             result = subprocess.run(
                 [lab.runc, "--root", str(lab.runc_root), "delete", "--force", self.id],
@@ -614,6 +620,9 @@ class ContainerLab:
                 container.stop()
             except SimError as err:
                 errors.append(err)
+            except OSError as err:  # e.g. a bundle file that cannot be removed: go on with the rest
+                errors.append(SimError(f"stopping {container.name} failed: {err}",
+                                       fix=f"remove {container.bundle_dir} by hand"))
         for parent in sorted(self._owned_parents, key=lambda p: len(p.parts), reverse=True):
             self._release_upwards("/" + str(parent.relative_to(self._mount_root(parent))))
         for directory in sorted(self._owned_dirs, key=lambda p: len(p.parts), reverse=True):
