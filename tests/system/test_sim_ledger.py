@@ -1,0 +1,99 @@
+"""The shared memory ledger: capacity, reclaim of dead processes, many writers."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+from gpuwatch.sim import status
+from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml, workers
+
+
+def test_allocation_at_capacity_fails_with_oom(tmp_path: Path) -> None:
+    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+        _, held = w.start_ready("--mib-per-step", "256", "--steps", "3")  # 768 MiB
+        assert held == 768 * MIB
+        over = w.start("--mib-per-step", "512")
+        assert over.wait(timeout=10) == 2
+        assert over.stdout is not None
+        assert over.stdout.readline().split()[0] == "oom"
+        # exactly the remaining 256 MiB still fits: the failed attempt charged nothing
+        _, fits = w.start_ready("--mib-per-step", "256")
+        assert fits == 256 * MIB
+        one_more = w.start("--mib-per-step", "1")
+        assert one_more.wait(timeout=10) == 2
+        used = run_nvml(node, "print(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)")
+    assert used == GIB
+
+
+def test_killed_workload_memory_is_reclaimed_within_one_second(tmp_path: Path) -> None:
+    with private_node(tmp_path, devices=1, memory_bytes=4 * GIB) as node, workers(node) as w:
+        keep, kept = w.start_ready("--mib-per-step", "100")
+        victim, _ = w.start_ready("--mib-per-step", "1000", "--duty", "0.3")
+        out = run_nvml(
+            node,
+            f"""
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+before = {{p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}}
+t0 = time.monotonic()
+os.kill({victim.pid}, 9)
+while True:
+    procs = {{p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}}
+    used = pynvml.nvmlDeviceGetMemoryInfo(h).used
+    if {victim.pid} not in procs and used == {kept}:
+        break
+    if time.monotonic() - t0 > 5:
+        break
+print(json.dumps(dict(before=before, after=procs, used=used, elapsed_s=time.monotonic() - t0)))
+""",
+        )
+        assert victim.wait(timeout=5) == -signal.SIGKILL
+    assert out["before"] == {str(keep.pid): kept, str(victim.pid): 1000 * MIB}
+    assert out["after"] == {str(keep.pid): kept}
+    assert out["used"] == kept
+    assert out["elapsed_s"] < 1.0
+
+
+def test_fifty_concurrent_workloads_keep_the_ledger_consistent(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    with private_node(tmp_path, devices=2, memory_bytes=64 * GIB) as node, workers(node) as w:
+        specs = [(i % 2, rng.randint(1, 64), rng.randint(1, 4)) for i in range(50)]
+        procs = [
+            w.start("--gpu", str(gpu), "--mib-per-step", str(mib), "--steps", str(steps), "--interval-s", "0.01")
+            for gpu, mib, steps in specs
+        ]
+        expected: dict[int, tuple[int, int]] = {}
+        for proc, (gpu, mib, steps) in zip(procs, specs, strict=True):
+            words = w.wait_line(proc, "ready")
+            assert int(words[2]) == mib * MIB * steps
+            expected[proc.pid] = (gpu, mib * MIB * steps)
+        code = """
+res = []
+for i in range(2):
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    res.append(dict(procs={p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)},
+                    used=pynvml.nvmlDeviceGetMemoryInfo(h).used))
+print(json.dumps(res))
+"""
+        full = run_nvml(node, code)
+        # kill half of them at once, then check again
+        victims = procs[::2]
+        for proc in victims:
+            proc.kill()
+        for proc in victims:
+            proc.wait(timeout=10)
+        time.sleep(0.1)
+        half = run_nvml(node, code)
+        ledger = status(node)
+    for gpu in (0, 1):
+        want = {str(pid): nbytes for pid, (g, nbytes) in expected.items() if g == gpu}
+        assert full[gpu]["procs"] == want
+        assert full[gpu]["used"] == sum(want.values())
+        dead = {str(p.pid) for p in victims}
+        want_half = {pid: nbytes for pid, nbytes in want.items() if pid not in dead}
+        assert half[gpu]["procs"] == want_half
+        assert half[gpu]["used"] == sum(want_half.values())
+        assert ledger.devices[gpu].memory_used_bytes == sum(want_half.values())
+    assert len(ledger.processes) == 25
