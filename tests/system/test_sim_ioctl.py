@@ -1,0 +1,176 @@
+"""The stub's driver ioctls, checked from outside the process: the encoding with
+strace, the argument layout with a syscall tracepoint reading the caller's memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.sim import SimNode, sim_env
+from tests.conftest import need_binary
+from tests.system.sim_helpers import GIB, MIB, private_node
+
+RM_ALLOC_NVOS64 = 0xC030462B  # _IOWR('F', 0x2B, 48 bytes)
+RM_ALLOC_NVOS21 = 0xC020462B  # _IOWR('F', 0x2B, 32 bytes)
+RM_FREE_NVOS00 = 0xC0104629  # _IOWR('F', 0x29, 16 bytes)
+
+
+def _strace(node: SimNode, tmp_path: Path, *worker_args: str) -> list[str]:
+    strace = need_binary("strace", "strace")
+    log = tmp_path / "strace.txt"
+    cmd = [
+        strace,
+        "-f",
+        "-y",
+        "-X",
+        "raw",
+        "-e",
+        "trace=openat,ioctl",
+        "-o",
+        str(log),
+        str(node.libraries.worker_path),
+        *worker_args,
+    ]
+    proc = subprocess.run(
+        cmd, env=sim_env(node, dict(os.environ)), capture_output=True, text=True, timeout=30, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines()
+
+
+@pytest.mark.parametrize(("layout", "alloc_cmd"), [("nvos64", RM_ALLOC_NVOS64), ("nvos21", RM_ALLOC_NVOS21)])
+def test_strace_sees_device_opens_and_rm_ioctls(tmp_path: Path, layout: str, alloc_cmd: int) -> None:
+    with private_node(tmp_path, devices=2, memory_bytes=GIB, rm_alloc_params=layout) as node:
+        lines = _strace(
+            node, tmp_path, "--gpu", "1", "--mib-per-step", "8", "--steps", "3", "--lifetime-s", "0.1", "--free"
+        )
+        dev = node.dev_dir
+    opened = [m.group(1) for m in (re.search(r'openat\(.*?"([^"]+)"', ln) for ln in lines) if m]
+    for name in ("nvidiactl", "nvidia1", "nvidia-uvm"):
+        assert str(dev / name) in opened
+    assert str(dev / "nvidia0") not in opened  # only the device the context is on
+    ioctls = [re.search(r"ioctl\(\d+<([^>]+)>, (0x[0-9a-f]+),", ln) for ln in lines if "ioctl(" in ln]
+    calls = [(m.group(1), int(m.group(2), 16)) for m in ioctls if m]
+    ctl = str(dev / "nvidiactl")
+    assert calls.count((ctl, alloc_cmd)) == 3
+    assert calls.count((ctl, RM_FREE_NVOS00)) == 3
+    assert all(path == ctl for path, cmd in calls if (cmd >> 8) & 0xFF == ord("F"))
+
+
+BPF_TEXT = r"""
+struct ev_t {
+    u32 cmd;
+    u8 args[48];
+    u8 params[128];
+};
+BPF_PERF_OUTPUT(events);
+
+TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) {
+    if ((bpf_get_current_pid_tgid() >> 32) != TARGET_TGID)
+        return 0;
+    struct ev_t ev = {};
+    ev.cmd = (u32)args->cmd;
+    if (((ev.cmd >> 8) & 0xff) != 'F')
+        return 0;
+    u32 size = (ev.cmd >> 16) & 0x3fff;
+    if (size > 48)
+        size = 48;
+    bpf_probe_read_user(ev.args, size & 63, (void *)args->arg);
+    if ((ev.cmd & 0xff) == 0x2b) {
+        u64 p = 0;
+        bpf_probe_read_user(&p, sizeof(p), (void *)(args->arg + 16));
+        bpf_probe_read_user(ev.params, sizeof(ev.params), (void *)p);
+    }
+    events.perf_submit(args, &ev, sizeof(ev));
+    return 0;
+}
+"""
+
+
+@pytest.fixture
+def bpf_module(bcc_required: None) -> Iterator[Any]:
+    os.environ.setdefault("BCC_KERNEL_SOURCE", "/opt/gpuwatch/kernel-headers/current")
+    import bcc
+
+    yield bcc
+
+
+def test_tracepoint_reads_real_rm_alloc_and_free_layout(tmp_path: Path, bpf_module: Any) -> None:
+    with private_node(tmp_path, devices=2, memory_bytes=GIB) as node:
+        # the shell waits for a line before exec'ing the worker, so the probe is
+        # attached (filtered on this pid) before the first ioctl
+        proc = subprocess.Popen(
+            [
+                "/bin/sh",
+                "-c",
+                f'read go; exec {node.libraries.worker_path} "$@"',
+                "sh",
+                "--gpu",
+                "1",
+                "--mib-per-step",
+                "5",
+                "--steps",
+                "4",
+                "--lifetime-s",
+                "0.2",
+                "--free",
+            ],
+            env=sim_env(node, dict(os.environ)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        events: list[tuple[int, bytes, bytes]] = []
+        bpf = bpf_module.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={proc.pid}"])
+        try:
+
+            def on_event(cpu: int, data: Any, size: int) -> None:
+                raw = ctypes.string_at(data, size)
+                cmd = struct.unpack_from("<I", raw, 0)[0]
+                events.append((cmd, raw[4:52], raw[52:180]))
+
+            bpf[b"events"].open_perf_buffer(on_event)
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+            assert proc.wait(timeout=20) == 0
+            deadline = time.monotonic() + 2
+            while len(events) < 8 and time.monotonic() < deadline:
+                bpf.perf_buffer_poll(timeout=100)
+        finally:
+            bpf.cleanup()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    allocs = [e for e in events if e[0] == RM_ALLOC_NVOS64]
+    frees = [e for e in events if e[0] == RM_FREE_NVOS00]
+    assert len(allocs) == 4 and len(frees) == 4
+    roots, handles = set(), []
+    for _, args, params in allocs:
+        h_root, h_parent, h_new, h_class = struct.unpack_from("<4I", args, 0)
+        params_size, _flags, status = struct.unpack_from("<3I", args, 32)
+        assert h_class == 0x40  # NV01_MEMORY_LOCAL_USER
+        assert params_size == 128
+        assert status == 0
+        assert struct.unpack_from("<Q", params, 64)[0] == 5 * MIB  # NV_MEMORY_ALLOCATION_PARAMS.size
+        roots.add((h_root, h_parent))
+        handles.append(h_new)
+    assert len(roots) == 1  # one client (hRoot) per process, one device parent
+    assert len(set(handles)) == 4  # unique per allocation
+    freed = []
+    for _, args, _ in frees:
+        h_root, h_parent, h_old, status = struct.unpack_from("<4I", args[:16], 0)
+        assert (h_root, h_parent) in roots
+        freed.append(h_old)
+    assert sorted(freed) == sorted(handles)
