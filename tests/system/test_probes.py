@@ -9,6 +9,7 @@ ProbeManager (one BCC compile) is shared by the module.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -363,3 +364,38 @@ def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached(lab: Lab) -
             proc.wait()
     wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids))
     assert "gw_" not in _uprobe_events()
+
+
+def test_trace_streams_per_container_events_as_json(lab: Lab) -> None:
+    cg, cg_id = lab.cgroup("trace")
+    cmd = [sys.executable, "-m", "gpuwatch", "trace", "--json", "--device-prefix", lab.prefix,
+           "--libcuda", str(lab.lib)]
+    trace = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert trace.stderr is not None
+        banner = trace.stderr.readline()
+        assert "probes attached" in banner, banner + trace.stderr.read()
+        w = lab.spawn(cg, "open", "ctl", "open", "0", "rmalloc", "1", "7", "100", "0x40", str(MiB), "21",
+                      "rmfree", "1", "7", "100", "00", "dlopen", str(lab.lib), "cualloc", "1000", "2",
+                      "cufree", "1", "cualloc", str(2 << 40), "1")
+        assert w.finish() == 0
+        time.sleep(1.0)  # the trace loop polls every 200 ms
+        trace.send_signal(signal.SIGTERM)
+        out, err = trace.communicate(timeout=30)
+        assert trace.returncode == 0, err
+    finally:
+        if trace.poll() is None:
+            trace.kill()
+            trace.wait()
+    mine = [json.loads(line) for line in out.splitlines() if json.loads(line)["pid"] == w.pid]
+    assert [(e["event"], e["source"], e["size_bytes"]) for e in mine] == [
+        ("new_gpu_process", None, 0),
+        ("device_open", None, 0), ("device_open", None, 0),
+        ("alloc", "ioctl", MiB), ("free", "ioctl", MiB),
+        ("alloc", "cuda", 1000), ("alloc", "cuda", 1000), ("free", "cuda", 1000),
+        ("oom", "cuda", 2 << 40),
+        ("process_exit", None, 0),
+    ]
+    assert {e["cgroup_id"] for e in mine} == {cg_id}
+    assert all(e["container"]["cgroup_path"].endswith("/trace") for e in mine)
+    assert [e["device_kind"] for e in mine if e["event"] == "device_open"] == ["ctl", "gpu"]
