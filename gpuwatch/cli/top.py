@@ -9,6 +9,7 @@ stdout is not a terminal. The sampler (and so NVML) is imported only when needed
 from __future__ import annotations
 
 import importlib
+import logging
 import socket
 import sys
 import time
@@ -85,6 +86,7 @@ def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key
     container, GPU memory, SM share and cumulative kernel seconds. Enter on a container
     shows its processes with host and container PIDs. Press h for all keys.
     """
+    _quiet_library_logs()
     state = ViewState(sort_key=SortKey(sort_key), reverse=reverse, filter_text=filter_text,
                       group_by_gpu=not flat, interval_s=interval_s)
     if as_json:
@@ -110,6 +112,15 @@ def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key
     if not snapshot.gpu_up:
         click.echo(f"gpuwatch top: {nvml_down_text(snapshot)}", err=True)
         sys.exit(1)
+
+
+def _quiet_library_logs() -> None:
+    """Keep the sampler's log lines off the terminal: they would tear the curses screen and
+    add noise to --once output. What they say (NVML down, probes off) is in the Snapshot
+    (gpu_error, notes) and shown by the view. Configured logging (handlers on the root
+    logger) is left alone."""
+    if not logging.getLogger().handlers:  # else logging's last-resort handler prints to stderr
+        logging.getLogger("gpuwatch").addHandler(logging.NullHandler())
 
 
 def _run_live(source: SnapshotSource, state: ViewState) -> None:

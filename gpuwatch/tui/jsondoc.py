@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -62,9 +63,11 @@ def _flat(obj: Any) -> dict[str, Any]:
 
 
 def _probe_to_dict(probe: ProbeCounters) -> dict[str, Any]:
+    """Counters; per-op / per-GPU pair tuples become objects ({"alloc": 12, "0": 1024})."""
     out = _flat(probe)
-    out["ioctl_calls_by_op"] = dict(probe.ioctl_calls_by_op)
-    out["allocated_bytes_by_gpu"] = {str(gpu): n for gpu, n in probe.allocated_bytes_by_gpu}
+    for f in dataclasses.fields(probe):
+        if str(f.type).startswith("tuple[tuple["):
+            out[f.name] = {str(key): value for key, value in getattr(probe, f.name)}
     return out
 
 
@@ -111,16 +114,48 @@ def _plain(value: Any) -> Any:
     return _num(value)
 
 
-def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
+UNIX_TIME_MIN_S = 1e9
+"""Timestamps at or above this (2001-09-09) are Unix time; below, the sampler's monotonic
+clock (seconds since boot: no host has been up for 31 years)."""
+
+
+def wall_time_s(timestamp_s: float, now_wall_s: float | None = None,
+                now_monotonic_s: float | None = None) -> float:
+    """Unix time of a Snapshot timestamp.
+
+    The sampler stamps Snapshots with `time.monotonic()` (CLOCK_MONOTONIC is system-wide on
+    Linux, so any process on the node can convert it); hand-written documents may carry
+    Unix time already, which is returned unchanged. Clocks are injectable for tests.
+    """
+    if not math.isfinite(timestamp_s) or timestamp_s >= UNIX_TIME_MIN_S:
+        return timestamp_s
+    now_wall = time.time() if now_wall_s is None else now_wall_s
+    now_mono = time.monotonic() if now_monotonic_s is None else now_monotonic_s
+    return now_wall - (now_mono - timestamp_s)
+
+
+def parse_iso_time(text: Any) -> float | None:
+    """Inverse of `iso_time`; None for anything unparsable."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def snapshot_to_dict(snapshot: Snapshot, wall_s: float | None = None) -> dict[str, Any]:
     """The JSON-ready document for one Snapshot (plain dicts, lists, str, numbers).
 
-    Known fields get the documented layout; any other Snapshot field is written under its
-    own name, so fields added to the model later still reach the document.
+    "time" is the sample's Unix time in ISO 8601 (`wall_s`, or converted from the
+    monotonic `timestamp_s`, which is kept as is for an exact round trip). Known fields
+    get the documented layout; any other Snapshot field is written under its own name, so
+    fields added to the model later still reach the document.
     """
     doc: dict[str, Any] = {
         "format": FORMAT,
         "node": snapshot.node,
-        "time": iso_time(snapshot.timestamp_s),
+        "time": iso_time(wall_s if wall_s is not None else wall_time_s(snapshot.timestamp_s)),
         "timestamp_s": _num(snapshot.timestamp_s),
         "simulated": snapshot.simulated,
         "gpu_up": snapshot.gpu_up,
@@ -138,9 +173,10 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
     return doc
 
 
-def dumps(snapshot: Snapshot, indent: int | None = 2) -> str:
+def dumps(snapshot: Snapshot, indent: int | None = 2, wall_s: float | None = None) -> str:
     """The JSON text of `snapshot` (strict JSON: no NaN)."""
-    return json.dumps(snapshot_to_dict(snapshot), indent=indent, ensure_ascii=False, allow_nan=False)
+    return json.dumps(snapshot_to_dict(snapshot, wall_s), indent=indent, ensure_ascii=False,
+                      allow_nan=False)
 
 
 # --------------------------------------------------------------------------- decode
@@ -162,6 +198,20 @@ def _expect_list(value: Any, where: str) -> list[Any]:
     return value
 
 
+def _tuple_value(type_text: str, value: Any, where: str) -> Any:
+    """A JSON value for a tuple-typed field: lists become tuples; an object becomes
+    (key, value) pairs (keys converted to int when the field's pairs are int-keyed)."""
+    if isinstance(value, dict) and type_text.startswith("tuple[tuple["):
+        int_keys = type_text.startswith("tuple[tuple[int")
+        try:
+            return tuple((int(k) if int_keys else str(k), v) for k, v in value.items())
+        except ValueError as err:
+            raise SnapshotDocError(f"snapshot document: {where}: {err}") from err
+    if isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
 def _flat_from(cls: type[T], data: Any, where: str, **overrides: Any) -> T:
     """Build a flat dataclass from `data`, using defaults for missing optional fields."""
     data = _expect_dict(data, where)
@@ -170,7 +220,10 @@ def _flat_from(cls: type[T], data: Any, where: str, **overrides: Any) -> T:
         if f.name in overrides:
             kwargs[f.name] = overrides[f.name]
         elif f.name in data:
-            kwargs[f.name] = data[f.name]
+            value = data[f.name]
+            if str(f.type).startswith("tuple["):
+                value = _tuple_value(str(f.type), value, f"{where}.{f.name}")
+            kwargs[f.name] = value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise SnapshotDocError(f"snapshot document: {where} lacks required field {f.name!r}",
                                    fix="produce the file with `gpuwatch top --once --json`")
@@ -185,12 +238,7 @@ def _nan_if_none(value: Any) -> float:
 
 
 def _probe_from(data: Any, where: str) -> ProbeCounters:
-    data = _expect_dict(data, where)
-    ioctl = _expect_dict(data.get("ioctl_calls_by_op") or {}, f"{where}.ioctl_calls_by_op")
-    alloc = _expect_dict(data.get("allocated_bytes_by_gpu") or {}, f"{where}.allocated_bytes_by_gpu")
-    return _flat_from(ProbeCounters, data, where,
-                      ioctl_calls_by_op=tuple((str(k), int(v)) for k, v in ioctl.items()),
-                      allocated_bytes_by_gpu=tuple((int(k), int(v)) for k, v in alloc.items()))
+    return _flat_from(ProbeCounters, data, where)
 
 
 def _identity_from(data: Any, where: str) -> ContainerIdentity:
@@ -253,11 +301,20 @@ def snapshot_from_dict(data: Any) -> Snapshot:
     return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})
 
 
-def loads(text: str) -> Snapshot:
-    """Parse a JSON document into a Snapshot; malformed JSON becomes SnapshotDocError."""
+def loads(text: str, wall_clock: bool = False) -> Snapshot:
+    """Parse a JSON document into a Snapshot; malformed JSON becomes SnapshotDocError.
+
+    With `wall_clock`, a monotonic `timestamp_s` (meaningless outside the boot it came
+    from) is replaced by the document's Unix "time", for showing a saved document.
+    """
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise SnapshotDocError(f"snapshot document is not valid JSON: {err}",
                                fix="produce the file with `gpuwatch top --once --json`") from err
-    return snapshot_from_dict(data)
+    snapshot = snapshot_from_dict(data)
+    if wall_clock and snapshot.timestamp_s < UNIX_TIME_MIN_S:
+        written = parse_iso_time(data.get("time"))
+        if written is not None:
+            snapshot = dataclasses.replace(snapshot, timestamp_s=written)
+    return snapshot

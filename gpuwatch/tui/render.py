@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from gpuwatch.model import Snapshot
 from gpuwatch.tui import fmt
-from gpuwatch.tui.jsondoc import iso_time
+from gpuwatch.tui.jsondoc import iso_time, wall_time_s
 from gpuwatch.tui.state import (
     ContainerRow,
     GpuRow,
@@ -171,6 +171,8 @@ def row_style(row: Row) -> Style:
 
 def nvml_down_text(snapshot: Snapshot) -> str:
     reason = snapshot.gpu_error or "NVML is not answering"
+    if "fix:" in reason:  # the backend's typed error already says how to fix it
+        return f"NVML DOWN: {reason}"
     return f"NVML DOWN: {reason} (fix: {NVML_FIX})"
 
 
@@ -185,7 +187,7 @@ def plain_table(snapshot: Snapshot, state: ViewState | None = None) -> str:
     rows = build_rows(snapshot, _with_expanded(state, expand_all))
     flat = not state.group_by_gpu
     widths = column_widths(rows, flat, None)
-    lines = [f"gpuwatch top  node {snapshot.node or '?'}  {iso_time(snapshot.timestamp_s)}"]
+    lines = [f"gpuwatch top  node {snapshot.node or '?'}  {iso_time(wall_time_s(snapshot.timestamp_s))}"]
     if snapshot.simulated:
         lines.append(f"*** {SIM_BANNER}: these are simulated GPUs, not real hardware ***")
     if not snapshot.gpu_up:
@@ -242,7 +244,9 @@ STATUS_KEYS = "q quit  jk move  enter expand  s sort  r reverse  / filter  g gro
 
 def title_text(snapshot: Snapshot, state: ViewState) -> str:
     arrow = "desc" if state.descending else "asc"
-    clock = time.strftime("%H:%M:%S", time.localtime(snapshot.timestamp_s)) if snapshot.timestamp_s else "--"
+    clock = "--"
+    if snapshot.timestamp_s:
+        clock = time.strftime("%H:%M:%S", time.localtime(wall_time_s(snapshot.timestamp_s)))
     text = (f"gpuwatch top  node {snapshot.node or '?'}  every {state.interval_s:g}s  {clock}  "
             f"GPUs {len(snapshot.devices)}  containers {len(snapshot.containers)}  "
             f"sort {SORT_LABELS.get(state.sort_key.value, state.sort_key.value)} {arrow}")

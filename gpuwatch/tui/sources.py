@@ -39,7 +39,7 @@ class FileSource:
 
     def next_snapshot(self) -> Snapshot:
         try:
-            snapshot = loads(self.path.read_text(encoding="utf-8"))
+            snapshot = loads(self.path.read_text(encoding="utf-8"), wall_clock=True)
         except (OSError, UnicodeDecodeError, SnapshotDocError) as err:
             if self._last is None:
                 raise SnapshotDocError(f"cannot read snapshot file {self.path}: {err}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -188,3 +189,19 @@ def test_missing_sampler_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "gpuwatch.sampler", None)  # import raises ImportError
     result = run("--once")
     assert result.exit_code == 1 and "sampler cannot be loaded" in result.stderr
+
+
+def test_sampler_warnings_do_not_reach_the_terminal() -> None:
+    """Without logging configured, a sampler warning would be printed by logging's last-resort
+    handler onto the curses screen; `top` routes gpuwatch logs to a NullHandler instead."""
+    script = (
+        "import logging, sys\n"
+        "from gpuwatch.cli.top import _quiet_library_logs\n"
+        "_quiet_library_logs()\n"
+        "logging.getLogger('gpuwatch.sampler').warning('GPU backend down')\n"
+        "logging.getLogger('other').warning('still shown')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0
+    assert "GPU backend down" not in done.stderr
+    assert "still shown" in done.stderr

@@ -20,8 +20,10 @@ from gpuwatch.tui.jsondoc import (
     dumps,
     iso_time,
     loads,
+    parse_iso_time,
     snapshot_from_dict,
     snapshot_to_dict,
+    wall_time_s,
 )
 from tests.unit.test_tui_samples import GIB, T0, TRAINER, device, ident, sample_snapshot, usage
 
@@ -138,3 +140,37 @@ def test_iso_time_formats_utc_milliseconds_and_survives_bad_values() -> None:
     assert iso_time(1.5) == "1970-01-01T00:00:01.500Z"
     assert iso_time(math.nan) == ""
     assert iso_time(1e300) == ""
+
+
+def _non_default(type_text: str, i: int) -> object:
+    if type_text.startswith("tuple[tuple[int"):
+        return ((i, 10 * i), (i + 1, 7))
+    if type_text.startswith("tuple[tuple[str"):
+        return ((f"op{i}", i), ("free", 3))
+    if type_text.startswith("int"):
+        return 100 + i
+    raise AssertionError(f"extend this test for a ProbeCounters field of type {type_text}")
+
+
+def test_every_probe_counter_field_round_trips() -> None:
+    """A field added to ProbeCounters later must survive the document too."""
+    values = {f.name: _non_default(str(f.type), i) for i, f in enumerate(dataclasses.fields(ProbeCounters))}
+    probe = ProbeCounters(**values)  # type: ignore[arg-type]
+    snap = Snapshot(T0, "n", (), (usage(TRAINER, 0, GIB, 0.5, 1.0, probe=probe),), probe_counters=(probe,))
+    assert loads(dumps(snap)) == snap
+
+
+def test_wall_time_converts_monotonic_stamps_and_keeps_unix_ones() -> None:
+    assert wall_time_s(T0) == T0
+    assert wall_time_s(100.0, now_wall_s=T0 + 50.0, now_monotonic_s=150.0) == T0
+    assert math.isnan(wall_time_s(math.nan))
+
+
+def test_document_time_is_wall_clock_even_for_monotonic_snapshots() -> None:
+    snap = dataclasses.replace(sample_snapshot(), timestamp_s=1234.5)  # as the sampler stamps it
+    doc = snapshot_to_dict(snap, wall_s=T0)
+    assert doc["time"] == iso_time(T0) and doc["timestamp_s"] == 1234.5
+    assert loads(dumps(snap, wall_s=T0)).timestamp_s == 1234.5  # exact round trip by default
+    assert loads(dumps(snap, wall_s=T0), wall_clock=True).timestamp_s == T0  # for showing a saved file
+    assert parse_iso_time(iso_time(T0 + 0.25)) == T0 + 0.25
+    assert parse_iso_time("yesterday") is None and parse_iso_time(None) is None

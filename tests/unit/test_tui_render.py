@@ -9,6 +9,7 @@ import pytest
 from gpuwatch.model import Snapshot
 from gpuwatch.tui import fmt
 from gpuwatch.tui.render import (
+    NVML_FIX,
     SIM_BANNER,
     ScreenLine,
     Style,
@@ -238,3 +239,25 @@ def test_expanded_container_shows_a_minus_marker_and_processes() -> None:
     assert "host pid    4321" in texts[trainer + 1] and "ctr pid      1" in texts[trainer + 1]
     server = next(t for t in texts if " server " in t)
     assert server.startswith("+ ")
+
+
+def test_nvml_down_text_adds_the_fix_only_when_the_error_has_none() -> None:
+    from gpuwatch.tui.render import nvml_down_text
+
+    bare = dataclasses.replace(sample_snapshot(), gpu_up=False, gpu_error="driver gone")
+    assert nvml_down_text(bare) == f"NVML DOWN: driver gone (fix: {NVML_FIX})"
+    typed = dataclasses.replace(bare, gpu_error="NVML not found (fix: install the driver)")
+    assert nvml_down_text(typed) == "NVML DOWN: NVML not found (fix: install the driver)"
+    assert nvml_down_text(dataclasses.replace(bare, gpu_error=None)).startswith("NVML DOWN: NVML is not answering")
+
+
+def test_monotonic_snapshot_time_is_shown_as_wall_clock() -> None:
+    import time as _time
+
+    before = _time.strftime("%H:%M", _time.localtime())
+    snap = dataclasses.replace(sample_snapshot(), timestamp_s=_time.monotonic())
+    title = lines_for(snap, ViewState(), 200, 10)[0].text
+    after = _time.strftime("%H:%M", _time.localtime())
+    assert before in title or after in title  # either side of a minute boundary
+    assert "1970" not in plain_table(snap).splitlines()[0]
+    assert _time.strftime("%Y-%m-%d", _time.gmtime()) in plain_table(snap).splitlines()[0]
