@@ -84,6 +84,7 @@ def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: st
     click.echo(f"  state  {n.state_path}")
     click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
     click.echo(f"  libs   {n.libraries.lib_dir}")
+    click.echo(f"  nvml   {n.libraries.nvml_path}")
     click.echo(f'use it:  eval "$(gpuwatch sim env --name {n.name})"')
 
 
