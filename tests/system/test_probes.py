@@ -340,22 +340,30 @@ def _uprobe_events() -> str:
     return (root / "uprobe_events").read_text()
 
 
-def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached(lab: Lab) -> None:
+def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached_and_its_rss_is_small(
+        lab: Lab) -> None:
     script = textwrap.dedent(f"""
-        import sys, time
+        import json, sys, time
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
         pm = ProbeManager(ProbeConfig(device_prefix={lab.prefix!r}, libcuda_paths=({str(lab.lib)!r},),
                                       launch_uprobes=True))
         pm.start()
-        print(",".join(map(str, pm.prog_ids())), flush=True)
+        pm.read()
+        status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
+        print(json.dumps({{"ids": pm.prog_ids(), "bcc": "bcc" in sys.modules,
+                          "rss_kib": int(status["VmRSS"].split()[0]),
+                          "rss_anon_kib": int(status["RssAnon"].split()[0])}}), flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        ids = [int(i) for i in line.strip().split(",") if i]
+        report = json.loads(proc.stdout.readline())
+        ids = report["ids"]
         assert ids and all(bpfsys.prog_exists(i) for i in ids)
+        # the agent side never maps BCC/LLVM: the compile ran in a child that has exited
+        assert report["bcc"] is False
+        assert report["rss_kib"] <= 60 * 1024, report
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == -signal.SIGTERM
     finally:
