@@ -276,11 +276,13 @@ def screen_lines(
     width_cells: int,
     height_rows: int,
     top: int = 0,
+    widths: Sequence[int] | None = None,
 ) -> tuple[list[ScreenLine], int]:
     """At most `height_rows` lines, each at most `width_cells - 1` cells, and the new scroll top.
 
     The last column is never written (curses raises when the bottom-right cell is written),
-    so every text is clipped to width - 1.
+    so every text is clipped to width - 1. `widths` are `column_widths(rows, ...)` for
+    this width when the caller has them cached.
     """
     usable = width_cells - 1
     if usable < 1 or height_rows < 1:
@@ -302,7 +304,8 @@ def screen_lines(
         status = ScreenLine(STATUS_KEYS, Style.STATUS)
 
     flat = not state.group_by_gpu
-    widths = column_widths(rows, flat, usable)
+    if widths is None:
+        widths = column_widths(rows, flat, usable)
     columns = ScreenLine(header_text(flat, widths), Style.COLUMNS)
 
     # Drop notes, then the column header, before the banner/alert when space is short.

@@ -28,7 +28,7 @@ from gpuwatch.model import EMPTY_SNAPSHOT, Snapshot
 from gpuwatch.tui import render
 from gpuwatch.tui.render import Style
 from gpuwatch.tui.sources import SnapshotSource
-from gpuwatch.tui.state import ViewState, apply_key, build_rows, reconcile
+from gpuwatch.tui.state import Row, ViewState, apply_key, build_rows, reconcile, rows_key
 
 Clock = Callable[[], float]
 
@@ -41,6 +41,25 @@ def key_name(key: int | str) -> str:
         return "\n"
     name = curses.keyname(key).decode("ascii", "replace")
     return name if name.startswith("KEY_") else chr(key) if 0 <= key < 0x110000 else name
+
+
+class _RowCache:
+    """The last rows and column widths, reused while the snapshot, the row-shaping parts of
+    the state and the width are unchanged (a key press that only moves the selection)."""
+
+    def __init__(self) -> None:
+        self._snapshot: Snapshot | None = None  # held, so identity comparison is sound
+        self._key: tuple[object, ...] | None = None
+        self._rows: list[Row] = []
+        self._widths: list[int] = []
+
+    def get(self, snapshot: Snapshot, state: ViewState, width: int) -> tuple[list[Row], list[int]]:
+        key = (rows_key(state), width)
+        if snapshot is not self._snapshot or key != self._key:
+            self._rows = build_rows(snapshot, state)
+            self._widths = render.column_widths(self._rows, not state.group_by_gpu, width - 1)
+            self._snapshot, self._key = snapshot, key
+        return self._rows, self._widths
 
 
 def _styles() -> dict[Style, int]:
@@ -114,6 +133,8 @@ def _loop(stdscr: curses.window, source: SnapshotSource, state: ViewState, clock
     attrs = _styles()
     snapshot: Snapshot = dataclasses.replace(EMPTY_SNAPSHOT, notes=("waiting for the first sample...",))
     error: str | None = None
+    shown = snapshot
+    cache = _RowCache()
     next_sample = 0.0
     top = 0
     while not state.quit:
@@ -125,12 +146,12 @@ def _loop(stdscr: curses.window, source: SnapshotSource, state: ViewState, clock
             except GpuwatchError as err:  # keep the last view; say what failed
                 error = str(err)
             next_sample = now + state.interval_s
-        shown = snapshot if error is None else dataclasses.replace(
-            snapshot, notes=(f"refresh failed: {error}", *snapshot.notes))
-        rows = build_rows(shown, state)
-        state = reconcile(state, rows)
+            shown = snapshot if error is None else dataclasses.replace(
+                snapshot, notes=(f"refresh failed: {error}", *snapshot.notes))
         height, width = _follow_terminal_size(stdscr)
-        lines, top = render.screen_lines(shown, state, rows, width, height, top)
+        rows, widths = cache.get(shown, state, width)
+        state = reconcile(state, rows)
+        lines, top = render.screen_lines(shown, state, rows, width, height, top, widths)
         _paint(stdscr, lines, attrs)
         stdscr.timeout(max(int((next_sample - clock()) * 1000), 0))
         try:

@@ -320,6 +320,13 @@ def build_rows(snapshot: Snapshot, state: ViewState) -> list[Row]:
     return rows
 
 
+def rows_key(state: ViewState) -> tuple[object, ...]:
+    """The parts of a state that `build_rows` depends on: moving the selection or opening the
+    help does not change the rows, so a screen can reuse them (1600 rows take ~50 ms)."""
+    return (state.sort_key, state.reverse, state.filter_text, state.expanded, state.collapsed_gpus,
+            state.group_by_gpu)
+
+
 # --------------------------------------------------------------------------- selection
 
 
