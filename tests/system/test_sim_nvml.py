@@ -49,11 +49,13 @@ for i in range(n):
 hs = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
 topo = [[pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b) for b in hs] for a in hs]
 try:
-    pynvml.nvmlDeviceGetFieldValues(hs[0], [1])
+    pynvml.nvmlDeviceGetVgpuMetadata(hs[0])
     missing = "found"
 except pynvml.NVMLError_FunctionNotFound:
     missing = "function not found"
-print(json.dumps(dict(devs=devs, topo=topo, missing=missing,
+fields = pynvml.nvmlDeviceGetFieldValues(hs[0], [pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT, pynvml.NVML_FI_DEV_ECC_CURRENT])
+fields = [(f.nvmlReturn, f.value.uiVal) for f in fields]
+print(json.dumps(dict(devs=devs, topo=topo, missing=missing, fields=fields,
                       driver=pynvml.nvmlSystemGetDriverVersion(),
                       cuda=pynvml.nvmlSystemGetCudaDriverVersion())))
 """,
@@ -78,6 +80,7 @@ print(json.dumps(dict(devs=devs, topo=topo, missing=missing,
     assert [topo[i][i] for i in range(4)] == [0, 0, 0, 0]
     assert topo[0][1] == topo[1][0] < topo[0][2]  # a PCIe-switch pair is closer than the rest
     assert out["missing"] == "function not found"
+    assert out["fields"] == [[0, 0], [3, 0]]  # no NVLink links; other fields NOT_SUPPORTED
     assert out["cuda"] == 12040
     assert out["driver"]
 

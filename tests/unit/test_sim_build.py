@@ -24,7 +24,7 @@ def test_build_produces_loadable_libraries_and_worker(tmp_path: Path) -> None:
     for symbol in ("cuInit", "cuMemAlloc_v2", "cuLaunchKernelEx", "cuGetProcAddress_v2"):
         assert hasattr(cuda, symbol)
     # unimplemented NVML entry points are absent, so callers get "function not found"
-    assert not hasattr(nvml, "nvmlDeviceGetFieldValues")
+    assert not hasattr(nvml, "nvmlDeviceGetVgpuMetadata")
     # internal helpers are not exported
     assert not hasattr(cuda, "sim_open")
 

@@ -1053,12 +1053,66 @@ API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t d, unsigned int *is_mi
     return NVML_SUCCESS;
 }
 
+/* driver models (WDDM/TCC) are Windows-only: real Linux drivers answer NOT_SUPPORTED */
 API nvmlReturn_t nvmlDeviceGetCurrentDriverModel(nvmlDevice_t d, unsigned int *model)
 {
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)model;
-    return NVML_ERROR_NOT_SUPPORTED; /* Windows only, as on real Linux drivers */
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+API nvmlReturn_t nvmlDeviceGetDriverModel(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    (void)current;
+    (void)pending;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+API nvmlReturn_t nvmlDeviceGetDriverModel_v2(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
+{
+    return nvmlDeviceGetDriverModel(d, current, pending);
+}
+
+/* ---- field values ---- */
+
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType;        /* nvmlValueType_t */
+    nvmlReturn_t nvmlReturn;
+    unsigned long long value; /* nvmlValue_t union, 8 bytes */
+} nvmlFieldValue_t;
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
+
+#define NVML_FI_DEV_NVLINK_LINK_COUNT 91
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+
+/* The simulated board has no NVLink: link count 0; every other field is answered
+ * per entry with NVML_ERROR_NOT_SUPPORTED, as the real call does for absent features. */
+API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values)
+{
+    DEV_OR_RETURN(i, d);
+    (void)i;
+    if (count < 0 || (count > 0 && !values))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    long long now_us = (long long)(sim_realtime_ns() / 1000ULL);
+    for (int k = 0; k < count; k++) {
+        nvmlFieldValue_t *v = &values[k];
+        v->timestamp = now_us;
+        v->latencyUsec = 0;
+        v->value = 0;
+        if (v->fieldId == NVML_FI_DEV_NVLINK_LINK_COUNT) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return NVML_SUCCESS;
 }
 
 /* ---- topology ---- */
