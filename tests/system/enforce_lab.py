@@ -1,0 +1,176 @@
+"""Real cgroups with real processes for the enforcement system tests.
+
+`CgroupLab` creates cgroups under a unique parent in the v2 tree (or the v1 freezer tree)
+and starts CPU-burning workers inside them (moved in by the child itself before exec, so
+no instruction runs outside the cgroup). Each worker counts its loop iterations into a
+file and, on the checkpoint signal, writes a marker file. `cleanup()` thaws, kills and
+removes everything it created, on every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwatch.enforce.cgroupfs import detect_roots, process_cpu_seconds
+from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+
+WORKER = r"""
+import os, signal, sys, time
+counter, marker, exit_on_signal = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+state = {"n": 0}
+def on_checkpoint(signum, frame):
+    with open(marker, "w") as f:
+        f.write(f"{time.time()} {state['n']}\n")
+        f.flush(); os.fsync(f.fileno())
+    if exit_on_signal:
+        sys.exit(0)
+signal.signal(int(sys.argv[4]), on_checkpoint)
+last = time.monotonic()
+while True:
+    state["n"] += 1
+    if state["n"] % 20000 == 0:
+        now = time.monotonic()
+        if now - last > 0.02:
+            with open(counter + ".tmp", "w") as f:
+                f.write(str(state["n"]))
+            os.replace(counter + ".tmp", counter)
+            last = now
+"""
+
+GIB = 2**30
+
+
+@dataclass
+class Worker:
+    popen: subprocess.Popen[bytes]
+    counter: Path
+    marker: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def progress(self) -> int:
+        try:
+            return int(self.counter.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.pid)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_started(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.progress() == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.progress() > 0, "worker did not start counting"
+
+
+class CgroupLab:
+    def __init__(self, tmp: Path) -> None:
+        v2, v1 = detect_roots()
+        self.v2_root, self.v1_root = v2, v1
+        self.tmp = tmp
+        self.parent = f"/gpuwatch-test-{uuid.uuid4().hex[:8]}"
+        self.dirs: list[Path] = []
+        self.workers: list[Worker] = []
+
+    def make(self, name: str, tree: str = "v2") -> str:
+        root = self.v2_root if tree == "v2" else self.v1_root
+        assert root is not None, f"no {tree} cgroup tree on this host"
+        for rel in (self.parent, f"{self.parent}/{name}"):
+            directory = root / rel.lstrip("/")
+            if not directory.exists():
+                directory.mkdir()
+                self.dirs.append(directory)
+        return f"{self.parent}/{name}"
+
+    def spawn(
+        self, cgroup_path: str, tree: str = "v2", exit_on_signal: bool = False, checkpoint_signal: int = signal.SIGUSR1
+    ) -> Worker:
+        root = self.v2_root if tree == "v2" else self.v1_root
+        assert root is not None
+        procs = root / cgroup_path.lstrip("/") / "cgroup.procs"
+        counter = self.tmp / f"count-{uuid.uuid4().hex[:6]}"
+        marker = self.tmp / f"marker-{uuid.uuid4().hex[:6]}"
+
+        def enter() -> None:
+            procs.write_text("0")
+            # A steady CPU share on a busy shared host: with autogroup scheduling, nice only
+            # counts inside a session, so the worker gets its own session and a niced autogroup.
+            os.setsid()
+            try:
+                Path("/proc/self/autogroup").write_text("-15")
+            except OSError:
+                os.nice(-15)
+
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(counter),
+                str(marker),
+                "1" if exit_on_signal else "0",
+                str(int(checkpoint_signal)),
+            ],
+            preexec_fn=enter,
+        )
+        worker = Worker(popen, counter, marker)
+        self.workers.append(worker)
+        worker.wait_started()
+        return worker
+
+    def cleanup(self) -> None:
+        for directory in reversed(self.dirs):
+            for name, value in (("cgroup.freeze", "0"), ("freezer.state", "THAWED")):
+                with contextlib.suppress(OSError):  # each dir has only one of the two files
+                    (directory / name).write_text(value)
+        for worker in self.workers:
+            if worker.alive():
+                worker.popen.kill()
+            worker.popen.wait(5)
+        for directory in reversed(self.dirs):
+            for _ in range(50):
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
+def identity(cgroup_path: str, name: str, namespace: str = "lab") -> ContainerIdentity:
+    return ContainerIdentity(
+        runtime="k8s",
+        cgroup_path=cgroup_path,
+        container_id=f"id-{name}",
+        container_name=name,
+        pod_name=f"pod-{name}",
+        pod_namespace=namespace,
+    )
+
+
+def snapshot(*rows: tuple[ContainerIdentity, int], t: float | None = None) -> Snapshot:
+    device = DeviceInfo(0, "GPU-0", "sim", None, 16 * GIB, None, None, simulated=True)
+    usages = tuple(ContainerUsage(i, 0, "GPU-0", memory, 0.0, 0.0) for i, memory in rows)
+    return Snapshot(
+        timestamp_s=time.time() if t is None else t,
+        node="lab",
+        devices=(device,),
+        containers=usages,
+        interval_s=1.0,
+        simulated=True,
+    )
