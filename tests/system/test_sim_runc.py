@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -353,3 +354,26 @@ def test_parents_made_by_someone_else_are_left_alone(lab: ContainerLab, root_req
         assert not MOUNTS.v2_dir(f"{top}/c").exists()
     finally:
         foreign.rmdir()
+
+
+def test_a_lab_left_open_is_cleaned_up_at_interpreter_exit(tmp_path: Path, runc_required: str) -> None:
+    """A script that forgets to close its lab still leaves nothing behind (atexit)."""
+    script = f"""
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+lab = ContainerLab({str(tmp_path / "w")!r}, bundle_root={str(tmp_path / "b")!r},
+                   runc_root={str(tmp_path / "r")!r})
+k = lab.run(ContainerSpec(name="k", argv=["/bin/sleep", "30"]))
+c = lab.run(ContainerSpec(name="c{os.getpid()}", argv=["/bin/sleep", "30"], runtime="cgroup"))
+print(k.host_pid, k.cgroup_path, k.bundle_dir, c.host_pid, c.cgroup_path, flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr
+    assert "cleanup failed" not in done.stderr
+    k_pid, k_cgroup, k_bundle, c_pid, c_cgroup = done.stdout.split()
+    for pid in (k_pid, c_pid):
+        _wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists(), timeout_s=3)
+    for cgroup_path in (k_cgroup, c_cgroup):
+        for directory in MOUNTS.all_dirs(cgroup_path):
+            assert not directory.exists(), directory
+    assert not Path(k_bundle).exists()
+    assert not (tmp_path / "r" / Path(k_bundle).name).exists()
