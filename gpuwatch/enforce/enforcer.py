@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from gpuwatch.enforce.actions import ActionResult, ActionSet, Status, build_actions
 from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
@@ -34,10 +35,10 @@ from gpuwatch.enforce.control import BusySource, FreezeControl
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
 from gpuwatch.enforce.limitmap import LimitMap, NullLimitMap
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
+from gpuwatch.enforce.probe_events import convert_events
 from gpuwatch.errors import EnforcementError, PolicyError
 from gpuwatch.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.evaluate import Decision, EvaluationResult, EvaluatorState, SafetyContext, evaluate
-from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.loader import load_policy
 from gpuwatch.policy.model import Policy
 
@@ -152,10 +153,17 @@ class Enforcer:
     def _snapshot_busy(self, key: str, _handle: CgroupHandle) -> Callable[[], float]:
         return lambda: self._kernel_seconds.get(key, 0.0)
 
-    def on_snapshot(self, snapshot: Snapshot, probe_events: Sequence[ProbeEvent] = ()) -> list[Decision]:
-        """Evaluate one snapshot, act (unless dry-run), audit every decision."""
+    def metrics_collector(self) -> EnforcerMetrics:
+        """The prometheus Collector to register (actions, limits, paused/throttled, reloads, deadlocks)."""
+        return self.metrics
+
+    def on_snapshot(self, snapshot: Snapshot, probe_events: Sequence[Any] = ()) -> list[Decision]:
+        """Evaluate one snapshot, act (unless dry-run), audit every decision.
+
+        `probe_events`: evaluator ProbeEvents or the probes layer's events (converted)."""
         started = time.perf_counter()
         self.check_reload()
+        events = convert_events(probe_events)
         with self._lock:
             if self._closed:
                 return []
@@ -163,7 +171,7 @@ class Enforcer:
             for row in snapshot.containers:
                 kernel[row.identity.key] = kernel.get(row.identity.key, 0.0) + row.kernel_seconds_total
             self._kernel_seconds = kernel
-            result = evaluate(self.policy, snapshot, probe_events, self.state, self.clock(), self.safety)
+            result = evaluate(self.policy, snapshot, events, self.state, self.clock(), self.safety)
             self.last_result = result
             if result.stale:
                 self.metrics.stale_snapshots += 1

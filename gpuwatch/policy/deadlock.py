@@ -44,8 +44,7 @@ class Deadlock:
 
     def reason(self) -> str:
         names = ", ".join(
-            f"{c.identity.display_name} (holds {c.held_bytes} B, wants {c.requested_bytes} B, "
-            f"priority {c.priority})"
+            f"{c.identity.display_name} (holds {c.held_bytes} B, wants {c.requested_bytes} B, priority {c.priority})"
             for c in self.blocked
         )
         return (

@@ -26,6 +26,8 @@ from gpuwatch.policy.model import ActionKind, ActionStep, NamespaceQuota, Policy
 from gpuwatch.policy.usage import ContainerView, Measured, group_containers, measure, rate_from_history
 
 STALE_INTERVALS = 2.0
+ANY_GPU = -1
+"""Event gpu_index when the probe could not tell the device (CUDA-API events)."""
 VANISHED_INTERVALS = 3.0
 RATE_WINDOW_S = 60.0
 
@@ -211,9 +213,7 @@ def _container_decision(
 
 def _apply_container_rule(run: _Run, view: ContainerView, rule: Rule, measured: Measured) -> None:
     ladder_key = f"c:{view.identity.key}"
-    result, before = run.step_ladder(
-        ladder_key, rule.name, rule.actions, _step_ratios(rule.actions, measured)
-    )
+    result, before = run.step_ladder(ladder_key, rule.name, rule.actions, _step_ratios(rule.actions, measured))
     decision = _container_decision(run, view, rule, measured, result)
     state = result.state
     if decision is not None:
@@ -299,9 +299,7 @@ def _apply_quota(
         worst = max(ratios_by_kind.values(), default=0.0)
         reason = f"namespace {namespace} at {worst:.0%} of its quota (>= {step.at_ratio:.0%})"
         if step.kind is ActionKind.ALERT:
-            run.emit(
-                Decision(Verb.ALERT, ns_identity, rule_name, "namespace", reason, pairs, result.step_index)
-            )
+            run.emit(Decision(Verb.ALERT, ns_identity, rule_name, "namespace", reason, pairs, result.step_index))
         elif not namespace_is_targetable(run.policy, namespace, quota.namespace):
             run.emit(
                 Decision(
@@ -344,9 +342,7 @@ def _apply_quota(
                     if step.kind.reversible:
                         run.reversible[view.identity.key] = ladder_key
             if step.kind.reversible:
-                run.quota_victims[ladder_key] = tuple(
-                    dict.fromkeys((*run.quota_victims.get(ladder_key, ()), *acted))
-                )
+                run.quota_victims[ladder_key] = tuple(dict.fromkeys((*run.quota_victims.get(ladder_key, ()), *acted)))
     run.ladders[ladder_key] = state
 
 
@@ -378,10 +374,8 @@ def _contenders(
         key = view.identity.key
         mine = events.get(key, [])
         for row in view.rows:
-            on_gpu = [e for e in mine if e.gpu_index == row.gpu_index]
-            blocked = any(
-                e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in on_gpu
-            )
+            on_gpu = [e for e in mine if e.gpu_index in (row.gpu_index, ANY_GPU)]
+            blocked = any(e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in on_gpu)
             requested = max((e.requested_bytes for e in on_gpu), default=0)
             out.append(
                 Contender(
@@ -404,9 +398,7 @@ def _free_bytes(snapshot: Snapshot, gpu_index: int, contenders: Sequence[Contend
         if device.memory_free_bytes is not None:
             return device.memory_free_bytes
         if device.memory_total_bytes is not None:
-            return device.memory_total_bytes - sum(
-                c.held_bytes for c in contenders if c.gpu_index == gpu_index
-            )
+            return device.memory_total_bytes - sum(c.held_bytes for c in contenders if c.gpu_index == gpu_index)
     return None
 
 

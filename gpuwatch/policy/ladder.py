@@ -95,10 +95,7 @@ def advance(
         return LadderResult(replace(new, active_step=top, clear_since_s=None), LadderMove.NONE, -1)
     clear_since = state.clear_since_s if state.clear_since_s is not None else timestamp_s
     new = replace(new, clear_since_s=clear_since)
-    if (
-        timestamp_s - clear_since >= tuning.release_after_s
-        and timestamp_s - state.active_since_s >= tuning.min_hold_s
-    ):
+    if timestamp_s - clear_since >= tuning.release_after_s and timestamp_s - state.active_since_s >= tuning.min_hold_s:
         return LadderResult(replace(new, active_step=-1, clear_since_s=None), LadderMove.RELEASE, active)
     return LadderResult(new, LadderMove.NONE, -1)
 

@@ -135,9 +135,7 @@ class _Reader:
 
     def sequence(self, node: Node, what: str, example: str) -> list[Node] | None:
         if not isinstance(node, SequenceNode):
-            self.issue(
-                node, f"{what} must be a list, got {_kind(node)}", f"write it as a list, e.g. {example}"
-            )
+            self.issue(node, f"{what} must be a list, got {_kind(node)}", f"write it as a list, e.g. {example}")
             return None
         return list(node.value)
 
@@ -155,9 +153,7 @@ class _Reader:
     def boolean(self, node: Node, what: str) -> bool | None:
         value = self.scalar(node) if isinstance(node, ScalarNode) else None
         if not isinstance(value, bool):
-            self.issue(
-                node, f"{what} must be true or false, got {_describe(self, node)}", "write true or false"
-            )
+            self.issue(node, f"{what} must be true or false, got {_describe(self, node)}", "write true or false")
             return None
         return value
 
@@ -295,9 +291,7 @@ def _parse_step(reader: _Reader, node: Node, what: str, limits: Limits | None) -
         return None
     ok = True
     if "do" not in keys:
-        reader.issue(
-            node, f"{what} has no `do`", f"add `do:` with one of: {', '.join(k.value for k in ActionKind)}"
-        )
+        reader.issue(node, f"{what} has no `do`", f"add `do:` with one of: {', '.join(k.value for k in ActionKind)}")
         return None
     do_node = keys["do"][1]
     do_value = reader.scalar(do_node) if isinstance(do_node, ScalarNode) else None
@@ -305,11 +299,7 @@ def _parse_step(reader: _Reader, node: Node, what: str, limits: Limits | None) -
         kind = ActionKind(str(do_value))
     except ValueError:
         close = difflib.get_close_matches(str(do_value), [k.value for k in ActionKind], n=1)
-        hint = (
-            f"did you mean {close[0]!r}?"
-            if close
-            else f"use one of: {', '.join(k.value for k in ActionKind)}"
-        )
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(k.value for k in ActionKind)}"
         reader.issue(do_node, f"{what}.do: unknown action {do_value!r}", hint)
         return None
     step: dict[str, object] = {}
@@ -330,9 +320,7 @@ def _parse_step(reader: _Reader, node: Node, what: str, limits: Limits | None) -
             )
             ok = False
     if "signal" in keys and kind is ActionKind.CHECKPOINT_KILL:
-        sig = reader.parsed(
-            keys["signal"][1], f"{what}.signal", _parse_signal, "a signal name like SIGUSR1 or SIGTERM"
-        )
+        sig = reader.parsed(keys["signal"][1], f"{what}.signal", _parse_signal, "a signal name like SIGUSR1 or SIGTERM")
         ok &= sig is not None
         step["signal"] = sig
     if "grace" in keys and kind is ActionKind.CHECKPOINT_KILL:
@@ -355,11 +343,7 @@ def _parse_step(reader: _Reader, node: Node, what: str, limits: Limits | None) -
     on: tuple[LimitKind, ...] = ()
     if "on" in keys:
         on_node = keys["on"][1]
-        names = (
-            [on_node]
-            if isinstance(on_node, ScalarNode)
-            else reader.sequence(on_node, f"{what}.on", "[gpu_memory]")
-        )
+        names = [on_node] if isinstance(on_node, ScalarNode) else reader.sequence(on_node, f"{what}.on", "[gpu_memory]")
         parsed_on: list[LimitKind] = []
         for name_node in names or []:
             name = reader.scalar(name_node) if isinstance(name_node, ScalarNode) else None
@@ -403,9 +387,7 @@ def _parse_step(reader: _Reader, node: Node, what: str, limits: Limits | None) -
     return ActionStep(kind=kind, on=on, line=node.start_mark.line + 1, **step)  # type: ignore[arg-type]
 
 
-def _parse_ladder(
-    reader: _Reader, node: Node, what: str, limits: Limits | None
-) -> tuple[ActionStep, ...] | None:
+def _parse_ladder(reader: _Reader, node: Node, what: str, limits: Limits | None) -> tuple[ActionStep, ...] | None:
     items = reader.sequence(node, what, "[{do: alert, at: 90%}, {do: kill, at: 100%, for: 60s}]")
     if items is None:
         return None
@@ -424,8 +406,7 @@ def _parse_ladder(
             if prev.kind.terminal:
                 reader.issue(
                     item,
-                    f"{what}[{index}] can never run: the step before it ({prev.kind.value}) "
-                    "ends the container",
+                    f"{what}[{index}] can never run: the step before it ({prev.kind.value}) ends the container",
                     "remove it or move it before the kill step",
                 )
                 ok = False
@@ -465,9 +446,7 @@ def _parse_selector(reader: _Reader, node: Node, what: str) -> Selector | None:
             ok &= text is not None
             values[key] = text
     if "labels" in keys:
-        label_keys = reader.mapping(
-            keys["labels"][1], f"{what}.labels", tuple(_label_keys(reader, keys["labels"][1]))
-        )
+        label_keys = reader.mapping(keys["labels"][1], f"{what}.labels", tuple(_label_keys(reader, keys["labels"][1])))
         labels: list[tuple[str, str]] = []
         for label, (_, value_node) in (label_keys or {}).items():
             value = reader.scalar(value_node) if isinstance(value_node, ScalarNode) else None
@@ -508,11 +487,7 @@ def _parse_selector(reader: _Reader, node: Node, what: str) -> Selector | None:
 def _label_keys(reader: _Reader, node: Node) -> list[str]:
     if not isinstance(node, MappingNode):
         return []
-    return [
-        k
-        for k in (reader.scalar(n) for n, _ in node.value if isinstance(n, ScalarNode))
-        if isinstance(k, str)
-    ]
+    return [k for k in (reader.scalar(n) for n, _ in node.value if isinstance(n, ScalarNode)) if isinstance(k, str)]
 
 
 def _parse_rule(reader: _Reader, node: Node, index: int, names: dict[str, int]) -> Rule | None:
@@ -523,9 +498,7 @@ def _parse_rule(reader: _Reader, node: Node, index: int, names: dict[str, int]) 
     ok = True
     name: str | None = None
     if "name" not in keys:
-        reader.issue(
-            node, f"{what} has no name", "add `name: <unique-name>` (it appears in audit records and metrics)"
-        )
+        reader.issue(node, f"{what} has no name", "add `name: <unique-name>` (it appears in audit records and metrics)")
         ok = False
     else:
         name = reader.string(keys["name"][1], f"{what}.name")
@@ -554,18 +527,14 @@ def _parse_rule(reader: _Reader, node: Node, index: int, names: dict[str, int]) 
             priority = value
     selector: Selector | None = None
     if "match" not in keys:
-        reader.issue(
-            node, f"{what} has no `match`", "add `match:` with selectors, or `match: {default: true}`"
-        )
+        reader.issue(node, f"{what} has no `match`", "add `match:` with selectors, or `match: {default: true}`")
         ok = False
     else:
         selector = _parse_selector(reader, keys["match"][1], f"{what}.match")
         ok &= selector is not None
     limits: Limits | None = Limits()
     if "limits" in keys:
-        limits = _parse_limits(
-            reader, keys["limits"][1], f"{what}.limits", LIMIT_KEYS, absolute_memory_only=False
-        )
+        limits = _parse_limits(reader, keys["limits"][1], f"{what}.limits", LIMIT_KEYS, absolute_memory_only=False)
         ok &= limits is not None
     steps: tuple[ActionStep, ...] | None = (ActionStep(kind=ActionKind.ALERT),)
     if "actions" in keys:
@@ -607,9 +576,7 @@ def _parse_quota(reader: _Reader, node: Node, index: int) -> NamespaceQuota | No
     if "limits" not in keys:
         reader.issue(node, f"{what} has no limits", "add `limits:` with gpu_memory and/or gpu_time_share")
     else:
-        limits = _parse_limits(
-            reader, keys["limits"][1], f"{what}.limits", QUOTA_LIMIT_KEYS, absolute_memory_only=True
-        )
+        limits = _parse_limits(reader, keys["limits"][1], f"{what}.limits", QUOTA_LIMIT_KEYS, absolute_memory_only=True)
         if limits is not None and not limits.kinds():
             reader.issue(keys["limits"][1], f"{what}.limits is empty", "add gpu_memory and/or gpu_time_share")
             limits = None
@@ -666,9 +633,7 @@ def _parse_deadlock(reader: _Reader, node: Node) -> DeadlockSettings | None:
             values["action"] = ActionKind(raw)
     for key, field_name in (("grace", "grace_s"), ("blocked_window", "blocked_window_s")):
         if key in keys:
-            values[field_name] = reader.parsed(
-                keys[key][1], f"deadlock.{key}", parse_duration_s, DURATION_FORM
-            )
+            values[field_name] = reader.parsed(keys[key][1], f"deadlock.{key}", parse_duration_s, DURATION_FORM)
     if "signal" in keys:
         values["signal"] = reader.parsed(keys["signal"][1], "deadlock.signal", _parse_signal, "a signal name")
     ok = all(v is not None for v in values.values())
@@ -735,8 +700,7 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
             if seen_default is not None:
                 reader.issue(
                     item,
-                    f"rule {rule.name!r} can never match: the catch-all rule on line "
-                    f"{seen_default} comes first",
+                    f"rule {rule.name!r} can never match: the catch-all rule on line {seen_default} comes first",
                     "move the `default: true` rule to the end",
                 )
             if rule.selector.default:

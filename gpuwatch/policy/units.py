@@ -79,8 +79,7 @@ def parse_size(value: object) -> MemoryAmount:
         return MemoryAmount(device_ratio=number / 100.0)
     if unit not in _SIZE_UNITS:
         raise ValueError(
-            f"unknown size unit {match.group(2)!r} in {value!r}; use B, KiB, MiB, GiB, TiB, "
-            "KB, MB, GB, TB or %"
+            f"unknown size unit {match.group(2)!r} in {value!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %"
         )
     size = int(number * _SIZE_UNITS[unit])
     if size <= 0:

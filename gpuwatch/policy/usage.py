@@ -92,9 +92,7 @@ class Measured:
         return tuple(pairs)
 
 
-def measure(
-    view: ContainerView, limits: Limits, gpu_time_share: float, devices: Sequence[DeviceInfo]
-) -> Measured:
+def measure(view: ContainerView, limits: Limits, gpu_time_share: float, devices: Sequence[DeviceInfo]) -> Measured:
     """Compare one container's usage with `limits`."""
     totals = {d.index: d.memory_total_bytes for d in devices}
     ratios: list[tuple[LimitKind, float | None]] = []
