@@ -465,7 +465,7 @@ def _memory_arbitration(
             stops = [
                 e
                 for e in recent.get(c.key, [])
-                if e.kind is ProbeEventKind.STOPPED_AT_ALLOCATION and e.gpu_index == gpu
+                if e.kind is ProbeEventKind.STOPPED_AT_ALLOCATION and e.gpu_index in (gpu, ANY_GPU)
             ]
             if not stops:
                 continue
