@@ -462,7 +462,8 @@ class ContainerLab:
         return container
 
     def _system_binds(self, rootfs: Path) -> list[str]:
-        """Host dirs mounted read-only: the system dirs, the gpuwatch checkout, the venv.
+        """Host dirs mounted read-only: the system dirs, the gpuwatch checkout, the venv
+        and the Python it was made from (usually /usr, already bound).
 
         A system dir that is a symlink on the host (merged /usr: /bin -> usr/bin) becomes
         the same symlink in the rootfs instead of a second mount.
@@ -474,7 +475,7 @@ class ContainerLab:
                 (rootfs / directory.lstrip("/")).symlink_to(os.readlink(host))
             elif host.is_dir():
                 binds.append(directory)
-        for extra in (str(repo_root()), str(Path(sys.prefix).resolve())):
+        for extra in (str(repo_root()), str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve())):
             if not _covered(extra, binds):
                 binds.append(extra)
         return binds
