@@ -16,6 +16,11 @@ ipc and uts namespaces are new. `runc run` stays in the foreground as our child 
 a log file in the bundle dir, `--pid-file` for the host PID), so the exit status is the
 container's and nothing is left to reap. `ContainerLab` stops everything it started on
 every exit path (context manager and atexit).
+
+Parent cgroups (/kubepods/<qos>, /docker, /gpuwatch-test) are shared by labs, also across
+processes: starting holds a shared flock on the cgroup mount root and removing parents an
+exclusive one, and parents a lab caused carry an xattr so whichever lab leaves last
+removes them, while parents made by anyone else are never touched.
 """
 
 from __future__ import annotations
