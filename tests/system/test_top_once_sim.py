@@ -88,3 +88,36 @@ def _ns_pid(pid: int) -> int:
         if line.startswith("NSpid:"):
             return int(line.split()[-1])
     raise AssertionError(f"no NSpid for {pid}")
+
+
+def test_live_screen_on_the_simulated_node(node: object, tmp_path: Path) -> None:
+    """The curses view fed by the real sampler (NVML via the sim's library) in a real terminal."""
+    import shlex
+
+    from tests.system.test_top_screen import BANNER, Pane, assert_restored, need_binary
+
+    tmux = need_binary("tmux", "tmux")
+    sim = node.sim  # type: ignore[attr-defined]
+    argv = [sys.executable, "-m", "gpuwatch", "top", "--nvml-library", str(sim.libraries.nvml_path),
+            "--node", "sim-live", "-d", "0.5"]
+    modes = "stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ' '"
+    command = (f"env GPUWATCH_SIM_STATE={shlex.quote(str(sim.state_path))} {shlex.join(argv)}; "
+               f"echo GPUWATCH_EXIT=$?; echo MODES: $({modes}); sleep 120")
+    pane = Pane(tmux, f"gpuwatch-simtest-{os.getpid()}", "top")
+    try:
+        pane.start(command)
+        screen = pane.wait_text(BANNER, timeout_s=20)
+        assert "node sim-live" in screen
+        containers = node.containers  # type: ignore[attr-defined]
+        screen = pane.wait_for(lambda s: all(c.id[:12] in s or c.name in s for c in containers),
+                               "a row per pod", timeout_s=20)
+        assert screen.count("GPU 0") == 1 and "GPU 1" in screen
+        pane.keys("j", "Enter")  # first container under GPU 0: its processes with both PIDs
+        screen = pane.wait_text("host pid", timeout_s=10)
+        first = containers[0] if containers[0].name == "trainer" else next(c for c in containers
+                                                                           if c.name == "trainer")
+        assert any(f"host pid {pid:>7}  ctr pid {_ns_pid(pid):>6}" in screen for pid in first.pids()), screen
+        pane.keys("q")
+        assert_restored(pane.wait_text("MODES:", timeout_s=10), 0)
+    finally:
+        subprocess.run([tmux, "-L", pane.socket_name, "kill-server"], capture_output=True, timeout=10, check=False)

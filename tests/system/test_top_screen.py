@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -183,3 +184,20 @@ def test_non_tty_output_is_the_plain_table(snap_file: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "not a terminal" in done.stderr
     assert "GPU 0" in done.stdout and "host pid    4321" in done.stdout
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+def test_sigterm_restores_the_terminal(pane: Pane, snap_file: Path) -> None:
+    pane.start(top_command(snap_file))
+    pane.wait_text(BANNER)
+    shell_pid = int(pane.cmd("display-message", "-p", "-t", "top", "#{pane_pid}").strip())
+    children = _children(shell_pid)
+    assert len(children) == 1, f"expected only top under the pane's shell: {children}"
+    top_pid = children[0]
+    assert "gpuwatch" in Path(f"/proc/{top_pid}/cmdline").read_text()
+    os.kill(top_pid, signal.SIGTERM)
+    assert_restored(pane.wait_text("MODES:"), 128 + signal.SIGTERM)
