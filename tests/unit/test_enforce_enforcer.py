@@ -1,0 +1,227 @@
+"""Enforcer without root: policy reload (a bad file never replaces the running policy),
+audit records, metrics, dry run, limit-map pushes, probe-event conversion and crash
+recovery bookkeeping on a fake cgroup tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.factory import ProbeLimitMap
+from gpuwatch.enforce.frozen import FrozenRegistry
+from gpuwatch.enforce.limitmap import NullLimitMap
+from gpuwatch.enforce.probe_events import convert_events
+from gpuwatch.errors import PolicyError
+from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.policy.events import ProbeEventKind
+
+GIB = 2**30
+CASES = Path(__file__).parent / "policy_cases"
+ALERT_POLICY = """
+rules:
+  - name: alert-only
+    match: {namespace: ml}
+    limits: {gpu_memory: 1GiB, gpu_time_share: 50%}
+    actions: [{do: alert, at: 100%}]
+"""
+
+
+def who(name: str = "a", cgroup_id: int | None = 42) -> ContainerIdentity:
+    return ContainerIdentity(
+        runtime="k8s",
+        cgroup_path=f"/kubepods/{name}",
+        container_id=f"id-{name}",
+        container_name=name,
+        pod_name="p",
+        pod_namespace="ml",
+        cgroup_id=cgroup_id,
+    )
+
+
+def snap(*rows: tuple[ContainerIdentity, int], t: float | None = None) -> Snapshot:
+    device = DeviceInfo(0, "GPU-0", "sim", None, 16 * GIB, None, None)
+    usage = tuple(ContainerUsage(i, 0, "GPU-0", m, 0.0, 0.0) for i, m in rows)
+    return Snapshot(timestamp_s=time.time() if t is None else t, node="n", devices=(device,), containers=usage)
+
+
+def make(tmp_path: Path, text: str = ALERT_POLICY, **kwargs: object) -> Enforcer:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text)
+    tree = CgroupTree(v2_root=tmp_path / "cg", autodetect=False)
+    return Enforcer(
+        policy,
+        audit=AuditLog(tmp_path / "audit.jsonl"),
+        cgroups=tree,
+        frozen_state_path=tmp_path / "frozen.json",
+        own_cgroups=frozenset(),
+        **kwargs,
+    )  # type: ignore[arg-type]
+
+
+def bump_mtime(path: Path) -> None:
+    st = path.stat()
+    os.utime(path, (st.st_atime + 5, st.st_mtime + 5))
+
+
+def test_invalid_initial_policy_refuses_to_start(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError):
+        make(tmp_path, (CASES / "bad_11_unknown_action.yaml").read_text())
+
+
+@pytest.mark.parametrize("bad", sorted(CASES.glob("bad_*.yaml")), ids=lambda p: p.stem)
+def test_bad_file_never_replaces_running_policy(tmp_path: Path, bad: Path) -> None:
+    enforcer = make(tmp_path)
+    running = enforcer.policy
+    (tmp_path / "policy.yaml").write_text(bad.read_text())
+    assert enforcer.reload() is False
+    assert enforcer.policy is running
+    assert "problem(s)" in enforcer.last_reload_error
+    assert enforcer.metrics.reloads["failure"] == 1
+    enforcer.close()
+
+
+def test_mtime_change_reloads_on_next_snapshot_and_sighup_flag(tmp_path: Path) -> None:
+    enforcer = make(tmp_path)
+    path = tmp_path / "policy.yaml"
+    path.write_text(ALERT_POLICY.replace("alert-only", "renamed"))
+    bump_mtime(path)
+    enforcer.on_snapshot(snap())
+    assert enforcer.policy.rules[0].name == "renamed"
+    assert enforcer.check_reload() is None  # unchanged file: nothing to do
+    enforcer.reload_requested = True
+    assert enforcer.check_reload() is True
+    # A broken edit is tried once, not on every snapshot.
+    path.write_text("rules: [")
+    bump_mtime(path)
+    enforcer.on_snapshot(snap())
+    enforcer.on_snapshot(snap())
+    assert enforcer.metrics.reloads["failure"] == 1 and enforcer.policy.rules[0].name == "renamed"
+    enforcer.close()
+
+
+def test_audit_record_fields_and_metrics(tmp_path: Path) -> None:
+    enforcer = make(tmp_path)
+    registry = CollectorRegistry()
+    registry.register(enforcer.metrics_collector())
+    decisions = enforcer.on_snapshot(snap((who(), 2 * GIB)))
+    assert [d.verb.value for d in decisions] == ["alert"]
+    (record,) = read_audit(tmp_path / "audit.jsonl")
+    assert set(record) >= {"time", "target", "rule", "reason", "measured", "action", "result", "dry_run"}
+    assert record["rule"] == "alert-only" and record["result"] == "ok" and record["dry_run"] is False
+    assert record["target"]["container"] == "a"  # type: ignore[index]
+    assert record["measured"]["gpu_memory_ratio"] == 2.0  # type: ignore[index]
+    assert registry.get_sample_value("gpuwatch_enforce_actions_total", {"action": "alert", "result": "ok"}) == 1
+    assert registry.get_sample_value("gpuwatch_policy_reloads_total", {"result": "success"}) == 1
+    labels = {
+        "namespace": "ml",
+        "pod": "p",
+        "container": "a",
+        "container_id": "id-a",
+        "cgroup": "/kubepods/a",
+        "rule": "alert-only",
+    }
+    assert registry.get_sample_value("gpuwatch_enforce_limit_bytes", labels) == GIB
+    assert registry.get_sample_value("gpuwatch_enforce_limit_gpu_time_share", labels) == 0.5
+    enforcer.close()
+
+
+def test_dry_run_audits_but_does_not_act(tmp_path: Path) -> None:
+    text = ALERT_POLICY.replace("do: alert", "do: kill")
+    limits = NullLimitMap()
+    enforcer = make(tmp_path, text, dry_run=True, limit_map=limits)
+    enforcer.on_snapshot(snap((who(), 2 * GIB)))
+    (record,) = read_audit(tmp_path / "audit.jsonl")
+    assert record["action"] == "kill" and record["result"] == "dry_run" and record["dry_run"] is True
+    assert limits.limits == {}  # dry run does not touch the kernel limit map either
+    enforcer.close()
+
+
+def test_stale_snapshot_not_acted_on_and_counted(tmp_path: Path) -> None:
+    enforcer = make(tmp_path)
+    assert enforcer.on_snapshot(snap((who(), 2 * GIB), t=time.time() - 10)) == []
+    assert enforcer.metrics.stale_snapshots == 1
+    assert not (tmp_path / "audit.jsonl").read_text()
+    enforcer.close()
+
+
+def test_limit_map_gets_limits_and_clears_vanished(tmp_path: Path) -> None:
+    limits = NullLimitMap()
+    enforcer = make(tmp_path, limit_map=limits)
+    t = time.time()
+    enforcer.on_snapshot(snap((who("a", 7), GIB // 2), (who("b", None), GIB // 2), t=t - 0.5))
+    assert limits.limits == {7: GIB}  # no cgroup id, no kernel limit
+    enforcer.on_snapshot(snap(t=t))
+    assert limits.limits == {}
+    enforcer.close()
+
+
+def test_probe_limit_map_adapter() -> None:
+    calls: list[tuple[object, ...]] = []
+    probes = SimpleNamespace(
+        set_limit=lambda *a: calls.append(("set", *a)), clear_limit=lambda *a: calls.append(("clear", *a))
+    )
+    adapter = ProbeLimitMap(probes, "kill")
+    adapter.set_limit(5, 100)
+    adapter.clear(5)
+    assert calls == [("set", 5, 100, "kill"), ("clear", 5)]
+
+
+def test_convert_probe_layer_events() -> None:
+    raw = [
+        SimpleNamespace(type="oom", ts_ns=10 * 10**9, cgroup_id=9, tgid=77, size_bytes=GIB, device=0),
+        SimpleNamespace(type="over_limit", ts_ns=11 * 10**9, cgroup_id=9, tgid=77, size_bytes=5, device=None),
+        SimpleNamespace(type="new_gpu_process", ts_ns=1, cgroup_id=9, tgid=77, size_bytes=0, device=0),
+    ]
+    events = convert_events(raw, wall=lambda: 1000.0, monotonic=lambda: 20.0)
+    assert [e.kind for e in events] == [ProbeEventKind.OOM, ProbeEventKind.OVER_LIMIT]
+    assert events[0].timestamp_s == 990.0 and events[0].requested_bytes == GIB and events[0].cgroup_id == 9
+    assert events[1].gpu_index == -1
+
+
+def test_recover_thaws_what_the_state_file_lists(tmp_path: Path) -> None:
+    cg = tmp_path / "cg" / "kubepods" / "a"
+    cg.mkdir(parents=True)
+    (cg / "cgroup.freeze").write_text("1")
+    (cg / "cgroup.procs").write_text("")
+    (tmp_path / "frozen.json").write_text(
+        json.dumps(
+            {
+                "frozen": [
+                    {"cgroup_path": "/kubepods/a", "mechanism": "v2", "reason": "crash", "since_s": 1.0},
+                    {"cgroup_path": "/kubepods/gone", "mechanism": "v2", "reason": "crash", "since_s": 1.0},
+                ]
+            }
+        )
+    )
+    registry = FrozenRegistry(CgroupTree(v2_root=tmp_path / "cg", autodetect=False), tmp_path / "frozen.json")
+    assert registry.recover() == ["/kubepods/a", "/kubepods/gone"]
+    assert (cg / "cgroup.freeze").read_text() == "0"
+    assert json.loads((tmp_path / "frozen.json").read_text())["frozen"] == []
+
+
+def test_root_cgroup_path_is_refused(tmp_path: Path) -> None:
+    from gpuwatch.errors import EnforcementError
+
+    tree = CgroupTree(v2_root=tmp_path, autodetect=False)
+    for bad in ("/", "", "/a/../.."):
+        with pytest.raises(EnforcementError):
+            tree.handle(bad)
+
+
+def test_audit_is_append_only_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text('{"previous": true}\n')
+    enforcer = make(tmp_path)
+    enforcer.on_snapshot(snap((who(), 2 * GIB)))
+    enforcer.close()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0]) == {"previous": True} and json.loads(lines[1])["action"] == "alert"
