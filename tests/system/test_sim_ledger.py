@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -97,3 +100,63 @@ print(json.dumps(res))
         assert half[gpu]["used"] == sum(want_half.values())
         assert ledger.devices[gpu].memory_used_bytes == sum(want_half.values())
     assert len(ledger.processes) == 25
+
+
+FORKER = """
+import os, sys, time
+from gpuwatch.sim.workload import StubCuda
+cuda = StubCuda(os.environ["GPUWATCH_SIM_LIBCUDA"])
+cuda.open_device(0)
+cuda.alloc(100 * 1024 * 1024)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    cuda.open_device(0)  # a forked child needs its own context, as with real CUDA
+    cuda.alloc(50 * 1024 * 1024)
+    os.write(w, b"x")
+    time.sleep(30)
+    os._exit(0)
+os.read(r, 1)
+print(child, flush=True)
+time.sleep(30)
+"""
+
+
+def test_forked_child_is_its_own_gpu_process(tmp_path: Path) -> None:
+    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+        parent = w.start(argv=[sys.executable, "-c", FORKER])
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        both = {p.host_pid: p.memory_bytes for p in status(node).processes}
+        os.kill(child_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and len(status(node).processes) != 1:
+            time.sleep(0.02)
+        after = {p.host_pid: p.memory_bytes for p in status(node).processes}
+    assert both == {parent.pid: 100 * MIB, child_pid: 50 * MIB}
+    assert after == {parent.pid: 100 * MIB}
+
+
+def test_cuda_visible_devices_selects_and_reorders(tmp_path: Path) -> None:
+    with private_node(tmp_path, devices=3, memory_bytes=GIB) as node, workers(node) as w:
+        env = w.env()
+        env["CUDA_VISIBLE_DEVICES"] = "2,0"
+        proc = subprocess.Popen(
+            [str(node.libraries.worker_path), "--gpu", "0", "--mib-per-step", "7"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        w.procs.append(proc)
+        w.wait_line(proc, "ready")
+        hidden = subprocess.run(
+            [str(node.libraries.worker_path), "--gpu", "2", "--mib-per-step", "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        )
+        placed = {p.device: p.memory_bytes for p in status(node).processes}
+    assert placed == {2: 7 * MIB}  # CUDA ordinal 0 is physical GPU 2
+    assert hidden.returncode == 3  # only two devices are visible

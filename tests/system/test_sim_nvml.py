@@ -266,3 +266,42 @@ print(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "gpuwatch-sim H100 80GB HBM3"
+
+
+def test_cgroup_frozen_process_accrues_no_busy_time(tmp_path: Path, root_required: None) -> None:
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.procs").exists():
+        unified = Path("/sys/fs/cgroup")
+    cgroup = unified / f"gpuwatch-test-freeze-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+            # join the cgroup before exec, as runtimes do
+            proc = w.start(
+                argv=[
+                    "/bin/sh",
+                    "-c",
+                    f'echo $$ > {cgroup}/cgroup.procs && exec "$@"',
+                    "sh",
+                    str(node.libraries.worker_path),
+                    "--mib-per-step",
+                    "8",
+                    "--duty",
+                    "1.0",
+                ]
+            )
+            w.wait_line(proc, "ready")
+            code = "print(json.dumps(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(0)).gpu))"
+            time.sleep(1.2)
+            running = run_nvml(node, code)
+            (cgroup / "cgroup.freeze").write_text("1")
+            try:
+                time.sleep(1.3)
+                frozen = run_nvml(node, code)
+            finally:
+                (cgroup / "cgroup.freeze").write_text("0")
+            w.close()
+    finally:
+        cgroup.rmdir()
+    assert running >= 90
+    assert frozen == 0

@@ -159,12 +159,18 @@ static __thread struct sim_ctx *t_ctx;
 
 static void atfork_child(void)
 {
-    /* a forked child owns no slot, no descriptors' locks, no allocations */
+    /* A forked child owns no slot, no liveness lock and no allocations (its parent's
+     * stay the parent's), and must not share the parent's open file description:
+     * flock() locks belong to it, so parent and child would not exclude each other. */
     g_slot = -1;
     g_allocs = NULL;
     g_alloc_cap = g_alloc_used = 0;
     pthread_mutex_init(&g_lock, NULL);
+    sim_after_fork_child();
     sim_self_identity(&g_self);
+    t_ctx = NULL;
+    if (g_inited && sim_reopen(sim_state_path(), &g_sim, 1) < 0)
+        g_inited = 0;
 }
 
 static int parse_visible(void)

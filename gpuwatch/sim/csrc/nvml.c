@@ -145,6 +145,7 @@ static int g_mapped; /* the state file stays mapped (and its fd open) once opene
 static struct sim_handle g_sim;
 static struct sim_self g_self;
 static struct nvml_device g_devices[SIM_MAX_DEVICES];
+static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 
 #define UTIL_WINDOW_NS 1000000000ULL
 
@@ -197,6 +198,16 @@ static nvmlReturn_t put_str(char *dst, unsigned int len, const char *src)
 
 /* ---- init / shutdown ---- */
 
+/* a forked child gets its own open file description (flock locks belong to it) */
+static void atfork_child(void)
+{
+    pthread_mutex_init(&g_lock, NULL);
+    pthread_mutex_init(&g_scratch_lock, NULL);
+    sim_after_fork_child();
+    if (g_mapped && sim_reopen(sim_state_path(), &g_sim, 1) < 0)
+        g_init_count = 0;
+}
+
 API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
@@ -209,7 +220,15 @@ API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         }
         for (int i = 0; i < SIM_MAX_DEVICES; i++)
             g_devices[i].index = (unsigned)i;
+        pthread_atfork(NULL, NULL, atfork_child);
         g_mapped = 1;
+    } else if (g_init_count == 0 && !sim_is_current(sim_state_path(), &g_sim)) {
+        /* the node was re-created since the last init (like a driver reload): follow
+         * it. The old mapping is left in place for threads that may still read it. */
+        if (sim_reopen(sim_state_path(), &g_sim, 0) < 0) {
+            pthread_mutex_unlock(&g_lock);
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+        }
     }
     sim_self_identity(&g_self);
     g_init_count++;
@@ -637,7 +656,6 @@ static unsigned collect_procs(int i, struct live_proc *out, unsigned cap)
 }
 
 static struct live_proc g_scratch[SIM_MAX_PROCS];
-static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static nvmlReturn_t running_processes(nvmlDevice_t d, unsigned int *count, void *infos, int layout)
 {
@@ -1335,16 +1353,64 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
     return 0;
 }
 
-/* Python-side access opens the state file per call; it never holds liveness locks. */
+/* Python-side access. Handles are cached per path and never closed while the file
+ * is the same inode: closing a descriptor of the state file would drop the liveness
+ * locks this process may hold through libcuda (classic record-lock semantics). */
+#define HELPER_CACHE 16
+static struct {
+    char path[SIM_PATH_LEN];
+    struct sim_handle h;
+    int used;
+} g_helper_cache[HELPER_CACHE];
+static pthread_mutex_t g_helper_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static int helper_open(const char *path, struct sim_handle *h)
 {
-    return sim_open(path, h);
+    pthread_mutex_lock(&g_helper_lock);
+    int free_slot = -1;
+    for (int i = 0; i < HELPER_CACHE; i++) {
+        if (!g_helper_cache[i].used) {
+            if (free_slot < 0)
+                free_slot = i;
+            continue;
+        }
+        if (strcmp(g_helper_cache[i].path, path) != 0)
+            continue;
+        if (!sim_is_current(path, &g_helper_cache[i].h)) {
+            /* re-created node: the old inode is gone for everyone, drop our handle */
+            munmap(g_helper_cache[i].h.hdr, sizeof(struct sim_header));
+            close(g_helper_cache[i].h.fd);
+            g_helper_cache[i].used = 0;
+            if (free_slot < 0)
+                free_slot = i;
+            continue;
+        }
+        *h = g_helper_cache[i].h;
+        pthread_mutex_unlock(&g_helper_lock);
+        return 0;
+    }
+    int rc = sim_open(path, h);
+    if (rc == 0 && free_slot < 0) {
+        /* full: evict the oldest entry (another path, so another file) */
+        static int next_victim;
+        free_slot = next_victim;
+        next_victim = (next_victim + 1) % HELPER_CACHE;
+        munmap(g_helper_cache[free_slot].h.hdr, sizeof(struct sim_header));
+        close(g_helper_cache[free_slot].h.fd);
+        g_helper_cache[free_slot].used = 0;
+    }
+    if (rc == 0 && strlen(path) < SIM_PATH_LEN) {
+        snprintf(g_helper_cache[free_slot].path, SIM_PATH_LEN, "%s", path);
+        g_helper_cache[free_slot].h = *h;
+        g_helper_cache[free_slot].used = 1;
+    }
+    pthread_mutex_unlock(&g_helper_lock);
+    return rc;
 }
 
 static void helper_close(struct sim_handle *h)
 {
-    munmap(h->hdr, sizeof(*h->hdr));
-    close(h->fd);
+    (void)h; /* cached; see helper_open */
 }
 
 /* kinds: 0 xid (data = xid), 1 lost, 2 ecc (data = count; uncorrected when flag), 3 clear */

@@ -54,6 +54,33 @@ HIDDEN int sim_open(const char *path, struct sim_handle *out)
     return 0;
 }
 
+HIDDEN int sim_reopen(const char *path, struct sim_handle *h, int unmap_old)
+{
+    struct sim_handle fresh;
+    int rc = sim_open(path, &fresh);
+    if (rc < 0)
+        return rc;
+    struct sim_handle old = *h;
+    *h = fresh;
+    if (unmap_old)
+        munmap(old.hdr, sizeof(struct sim_header));
+    close(old.fd);
+    return 0;
+}
+
+HIDDEN int sim_is_current(const char *path, const struct sim_handle *h)
+{
+    struct stat a, b;
+    if (stat(path, &a) < 0 || fstat(h->fd, &b) < 0)
+        return 0;
+    return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
+}
+
+HIDDEN void sim_after_fork_child(void)
+{
+    pthread_mutex_init(&g_local_lock, NULL);
+}
+
 HIDDEN void sim_lock(struct sim_handle *h, int exclusive)
 {
     pthread_mutex_lock(&g_local_lock);

@@ -127,6 +127,15 @@ struct sim_handle {
 
 /* open + map; returns 0 or -errno. Never closes the descriptor afterwards. */
 int sim_open(const char *path, struct sim_handle *out);
+/* Replace h by a fresh open of path, closing the old descriptor (unmapping the old
+ * mapping when unmap_old). Used after fork (an inherited descriptor shares its flock
+ * with the parent) and when the node was re-created. Only safe where the process holds
+ * no liveness lock on the old file that it still needs. */
+int sim_reopen(const char *path, struct sim_handle *h, int unmap_old);
+/* 1 when h maps the file currently at path (same inode) */
+int sim_is_current(const char *path, const struct sim_handle *h);
+/* re-initialise process-local locks in a forked child */
+void sim_after_fork_child(void);
 /* path from GPUWATCH_SIM_STATE or the default */
 const char *sim_state_path(void);
 void sim_lock(struct sim_handle *h, int exclusive);
