@@ -43,6 +43,8 @@ from gpuwatch.policy.loader import load_policy
 from gpuwatch.policy.model import Policy
 
 log = logging.getLogger(__name__)
+EPOCH_THRESHOLD_S = 1e9
+"""Snapshot timestamps above this are wall-clock (epoch) seconds, below it monotonic."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Enforcer:
         actions: ActionSet | None = None,
         audit: AuditLog | None = None,
         dry_run: bool = False,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         *,
         cgroups: CgroupTree | None = None,
         frozen_state_path: str | Path = DEFAULT_STATE_PATH,
@@ -70,6 +72,10 @@ class Enforcer:
     ) -> None:
         """Load the policy (PolicyError if invalid), build the actions, thaw leftovers.
 
+        `clock` must tick like the snapshots' timestamp_s (staleness, probe-event times).
+        None: per snapshot, wall time for epoch timestamps, else CLOCK_MONOTONIC (the
+        sampler's default). Audit records always carry wall time.
+
         `busy_source` defaults to the container's kernel_seconds_total from the latest
         snapshot (so throttle control runs at the sample interval: `throttle_control_s`).
         """
@@ -80,7 +86,7 @@ class Enforcer:
         self.limit_map: LimitMap = limit_map or NullLimitMap()
         self.safety = SafetyContext(own_cgroups if own_cgroups is not None else own_cgroup_paths())
         self._owns_audit = audit is None
-        self.audit = audit or AuditLog(DEFAULT_AUDIT_PATH, clock)
+        self.audit = audit or AuditLog(DEFAULT_AUDIT_PATH)
         self._kernel_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
         self.policy: Policy = self._load_initial()
@@ -119,7 +125,7 @@ class Enforcer:
         policy = load_policy(self.policy_path)
         self._loaded_stat = self._stat()
         self.metrics.count_reload(True)
-        self.metrics.policy_loaded_s = self.clock()
+        self.metrics.policy_loaded_s = time.time()
         return policy
 
     def reload(self) -> bool:
@@ -139,7 +145,7 @@ class Enforcer:
         self._loaded_stat = stat
         self.last_reload_error = ""
         self.metrics.count_reload(True)
-        self.metrics.policy_loaded_s = self.clock()
+        self.metrics.policy_loaded_s = time.time()
         log.info("policy reloaded from %s (%d rules)", self.policy_path, len(policy.rules))
         return True
 
@@ -163,7 +169,8 @@ class Enforcer:
         `probe_events`: evaluator ProbeEvents or the probes layer's events (converted)."""
         started = time.perf_counter()
         self.check_reload()
-        events = convert_events(probe_events)
+        clock = self._clock_for(snapshot)
+        events = convert_events(probe_events, wall=clock)
         with self._lock:
             if self._closed:
                 return []
@@ -171,7 +178,7 @@ class Enforcer:
             for row in snapshot.containers:
                 kernel[row.identity.key] = kernel.get(row.identity.key, 0.0) + row.kernel_seconds_total
             self._kernel_seconds = kernel
-            result = evaluate(self.policy, snapshot, events, self.state, self.clock(), self.safety)
+            result = evaluate(self.policy, snapshot, events, self.state, clock(), self.safety)
             self.last_result = result
             if result.stale:
                 self.metrics.stale_snapshots += 1
@@ -186,6 +193,11 @@ class Enforcer:
             self._update_view(result)
         self.last_latency_s = time.perf_counter() - started
         return [o.decision for o in outcomes]
+
+    def _clock_for(self, snapshot: Snapshot) -> Callable[[], float]:
+        if self.clock is not None:
+            return self.clock
+        return time.time if snapshot.timestamp_s > EPOCH_THRESHOLD_S else time.monotonic
 
     def _carry_out(self, decision: Decision) -> ActionResult:
         if decision.suppressed:

@@ -1,7 +1,8 @@
 """Turn the probes layer's ring-buffer events into the evaluator's ProbeEvent values.
 
-The kernel stamps events with bpf_ktime_get_ns() (CLOCK_MONOTONIC); snapshots carry wall
-time, so timestamps are shifted by the current wall-monotonic offset. Only the event types
+The kernel stamps events with bpf_ktime_get_ns() (CLOCK_MONOTONIC); timestamps are shifted
+into the snapshots' clock (`wall`: time.time for epoch snapshots, time.monotonic for the
+sampler's default, which makes the shift zero). Only the event types
 evaluation cares about are kept (OOM returns, over-limit allocations, stops at allocation).
 """
 
