@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
-from gpuwatch.probes import bcc_loader, bpfsys, layout
+from gpuwatch.probes import bcc_loader, bpfsys, layout, pinning
 from gpuwatch.probes.elf import ElfError, symbol_offsets
 from gpuwatch.probes.events import ProbeEvent, device_index, ioctl_op_name
 from gpuwatch.probes.libcuda import LibraryCopy, discover
@@ -71,7 +71,7 @@ class ProbeConfig:
     ioctl: bool = True
     alloc_uprobes: bool = True
     launch_uprobes: bool = False  # opt-in: a uprobe per launch costs 0.2-17 us per call
-    pin_dir: str | None = None  # pin the maps here (bpffs) so other tools can read them
+    pin_dir: str | None = None  # pin the maps here (bpffs): counters survive an agent restart
     verbose_events: bool = False  # per open/alloc/free events: `gpuwatch trace` only
     max_rm_allocs: int = 65536
     max_cuda_allocs: int = 65536
@@ -118,7 +118,7 @@ class ProbeManager:
         self._tp_fds: list[int] = []
         self._libs: dict[tuple[int, int], _Attachment] = {}
         self._ring: RingBuffer | None = None
-        self._pinned: list[str] = []
+        self.adopted: pinning.AdoptReport | None = None
         self._last_exits = -1
         self._last_sweep = 0.0
         self.load_s = 0.0
@@ -144,6 +144,8 @@ class ProbeManager:
             t1 = time.monotonic()
             self._maps = {name: bpfsys.BpfMap(fd, name) for name, fd in self._objs.maps.items()}
             self._write_config()
+            if cfg.pin_dir:  # before attaching: adopted counters are not raced by new events
+                self.adopted = pinning.adopt_and_pin(self._maps, cfg.pin_dir, Path(cfg.proc_root))
             self._ring = RingBuffer(self._objs.maps["gw_events"])
             for prog, category, name, group in TRACEPOINTS:
                 if group == "ioctl" and not cfg.ioctl:
@@ -151,9 +153,10 @@ class ProbeManager:
                 self._tp_fds.append(bpfsys.attach_tracepoint(self._objs.progs[prog], category, name))
             if cfg.alloc_uprobes or cfg.launch_uprobes:
                 self.rescan()
-            if cfg.pin_dir:
-                self._pin(cfg.pin_dir)
             self.attach_s = time.monotonic() - t1
+        except ProbesUnavailable:
+            self.stop()
+            raise
         except (OSError, KeyError) as err:
             self.stop()
             raise ProbesUnavailable(f"BPF probes off: the kernel refused to attach: {err}",
@@ -164,14 +167,10 @@ class ProbeManager:
         conf = layout.GwConfig(prefix_len=len(prefix), flags=0, prefix=prefix)
         self._maps["gw_config"].update(struct.pack("<I", 0), bytes(conf))
 
-    def _pin(self, pin_dir: str) -> None:
-        Path(pin_dir).mkdir(parents=True, exist_ok=True)
-        for name, m in self._maps.items():
-            path = os.path.join(pin_dir, name)
-            if os.path.exists(path):
-                os.unlink(path)  # a previous run's pin: we own this directory
-            bpfsys.obj_pin(m.fd, path)
-            self._pinned.append(path)
+    def unpin(self) -> None:
+        """Remove the pinned maps (with pin_dir, stop() keeps them for the next start)."""
+        if self.config.pin_dir:
+            pinning.unpin(self.config.pin_dir)
 
     def stop(self) -> None:
         """Detach everything and unload (close every fd). Safe to call any number of times."""
@@ -183,12 +182,6 @@ class ProbeManager:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        for path in self._pinned:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-        self._pinned.clear()
         self._maps.clear()
         if self._objs is not None:
             self._objs.close()

@@ -407,3 +407,36 @@ def test_trace_streams_per_container_events_as_json(lab: Lab) -> None:
     assert {e["cgroup_id"] for e in mine} == {cg_id}
     assert all(e["container"]["cgroup_path"].endswith("/trace") for e in mine)
     assert [e["device_kind"] for e in mine if e["event"] == "device_open"] == ["ctl", "gpu"]
+
+
+def test_pinned_counters_survive_an_agent_restart(lab: Lab) -> None:
+    pin_dir = f"/sys/fs/bpf/gpuwatch-probes-test-{os.getpid()}"
+    config = ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), pin_dir=pin_dir)
+    cg, cg_id = lab.cgroup("pinned")
+    first = ProbeManager(config)
+    first.start()
+    try:
+        stays = lab.spawn(cg, "open", "0", "rmalloc", "0", "5", "50", "0x40", str(2 * MiB), "21",
+                          "ioctl", "0", "0x2a", "3", "pause")
+        leaves = lab.spawn(cg, "open", "1", "rmalloc", "0", "6", "60", "0x40", str(MiB), "21", "pause")
+        stays.wait_ready()
+        leaves.wait_ready()
+        before = counters_for(first, cg_id)
+        assert dict(before.allocated_bytes_by_gpu) == {0: 2 * MiB, 1: MiB}
+    finally:
+        first.stop()  # the agent goes away; the pinned maps stay
+    leaves.kill()  # exits while no probe runs
+    second = ProbeManager(config)
+    second.start()
+    try:
+        assert second.adopted is not None and second.adopted.released_tgids == 1
+        after = counters_for(second, cg_id)
+        assert dict(after.ioctl_calls_by_op) == dict(before.ioctl_calls_by_op)
+        assert dict(after.allocated_bytes_by_gpu) == {0: 2 * MiB, 1: 0}
+        stays.release()  # its exit is now seen by the new programs, with the adopted state
+        assert stays.finish() == 0
+        wait_for(lambda: dict(counters_for(second, cg_id).allocated_bytes_by_gpu) == {0: 0, 1: 0})
+    finally:
+        second.stop()
+        second.unpin()
+    assert not os.path.exists(pin_dir)
