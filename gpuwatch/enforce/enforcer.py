@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,6 +36,7 @@ from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
 from gpuwatch.enforce.limitmap import LimitMap, NullLimitMap
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
 from gpuwatch.enforce.probe_events import convert_events
+from gpuwatch.enforce.webhook_requests import decide_webhook
 from gpuwatch.errors import EnforcementError, PolicyError
 from gpuwatch.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.evaluate import Decision, EvaluationResult, EvaluatorState, SafetyContext, evaluate
@@ -111,6 +112,7 @@ class Enforcer:
         self._pushed_limits: dict[int, int] = {}
         self._identities: dict[str, ContainerIdentity] = {}
         self._closed = False
+        self._webhook_times: list[float] = []
         self.recovered = self.actions.control.registry.recover()
 
     # -- policy -------------------------------------------------------------------------
@@ -255,6 +257,36 @@ class Enforcer:
             for p, t in sorted(control.throttled().items())
         )
         self.metrics.set_view(tuple(limits), paused, throttled)
+
+    # -- Alertmanager webhook ---------------------------------------------------------------
+    def on_webhook(self, request: Any) -> str:
+        """Handle one parsed webhook alert (gpuwatch.enforce.webhook.WebhookRequest): decide
+        with the policy's safety rules, act (unless dry run), audit; returns the result."""
+        with self._lock:
+            if self._closed:
+                return "refused: enforcer closed"
+            verdict = decide_webhook(
+                self.policy,
+                self._identities.values(),
+                self.safety,
+                str(request.action),
+                bool(request.firing),
+                str(request.alert_name),
+                request.target_dict(),
+            )
+            if verdict.decision is None:
+                log.warning("webhook %s: %s", request.alert_name, verdict.reason)
+                return f"ignored: {verdict.reason}"
+            decision = verdict.decision
+            now = time.monotonic()
+            self._webhook_times = [t for t in self._webhook_times if now - t < 60.0]
+            if decision.verb.disruptive and not decision.suppressed:
+                if len(self._webhook_times) >= self.policy.tuning.max_actions_per_minute:
+                    decision = replace(decision, suppressed="rate limit: too many webhook actions this minute")
+                else:
+                    self._webhook_times.append(now)
+            result = self._carry_out(decision)
+        return f"{result.status.value}: {result.detail}"
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> list[str]:

@@ -1,0 +1,102 @@
+"""Alertmanager webhook requests through Enforcer.on_webhook (dry run / alert only, no root)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.webhook import WebhookRequest
+from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+
+POLICY = """
+rules:
+  - name: ml
+    match: {namespace: ml}
+    limits: {gpu_memory: 8GiB}
+    actions: [{do: alert}]
+  - name: all
+    match: {default: true}
+"""
+
+
+def ident(name: str, namespace: str) -> ContainerIdentity:
+    return ContainerIdentity(
+        runtime="k8s",
+        cgroup_path=f"/kubepods/{name}",
+        container_id=f"id-{name}",
+        container_name=name,
+        pod_name=f"{name}-pod",
+        pod_namespace=namespace,
+    )
+
+
+def enforcer(tmp_path: Path, dry_run: bool = True) -> Enforcer:
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    e = Enforcer(
+        tmp_path / "policy.yaml",
+        audit=AuditLog(tmp_path / "audit.jsonl"),
+        dry_run=dry_run,
+        cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
+        frozen_state_path=tmp_path / "frozen.json",
+        own_cgroups=frozenset(),
+    )
+    rows = tuple(ContainerUsage(i, 0, "GPU-0", 1, 0.0, 0.0) for i in (ident("a", "ml"), ident("dns", "kube-system")))
+    e.on_snapshot(Snapshot(time.time(), "n", (DeviceInfo(0, "GPU-0", "sim", None, 1 << 34, None, None),), rows))
+    return e
+
+
+def request(action: str, firing: bool = True, **target: str) -> WebhookRequest:
+    return WebhookRequest(
+        action=action,
+        firing=firing,
+        alert_name="GpuHog",
+        fingerprint="f",
+        target=tuple(sorted(target.items())),
+        labels=(),
+    )
+
+
+def test_alert_for_known_container_is_audited(tmp_path: Path) -> None:
+    e = enforcer(tmp_path, dry_run=False)
+    assert e.on_webhook(request("alert", namespace="ml", pod="a-pod")) == "ok: logged"
+    (record,) = read_audit(tmp_path / "audit.jsonl")
+    assert record["scope"] == "webhook" and record["rule"] == "webhook:GpuHog" and record["action"] == "alert"
+    e.close()
+
+
+def test_kill_in_dry_run_does_nothing_but_is_recorded(tmp_path: Path) -> None:
+    e = enforcer(tmp_path)
+    assert e.on_webhook(request("kill", container_id="id-a")).startswith("dry_run")
+    assert read_audit(tmp_path / "audit.jsonl")[-1]["dry_run"] is True
+    e.close()
+
+
+def test_unknown_target_is_ignored(tmp_path: Path) -> None:
+    e = enforcer(tmp_path)
+    assert e.on_webhook(request("kill", container_id="nope")).startswith("ignored: no container")
+    assert not (tmp_path / "audit.jsonl").read_text()
+    e.close()
+
+
+def test_protected_namespace_refused(tmp_path: Path) -> None:
+    e = enforcer(tmp_path, dry_run=False)
+    result = e.on_webhook(request("kill", namespace="kube-system", pod="dns-pod"))
+    assert result.startswith("suppressed: namespace 'kube-system' is protected")
+    e.close()
+
+
+def test_resolved_alert_only_releases(tmp_path: Path) -> None:
+    e = enforcer(tmp_path)
+    assert e.on_webhook(request("kill", firing=False, container_id="id-a")).startswith("ignored: alert resolved")
+    assert e.on_webhook(request("pause", firing=False, container_id="id-a")).startswith("dry_run")
+    assert read_audit(tmp_path / "audit.jsonl")[-1]["action"] == "release"
+    e.close()
+
+
+def test_throttle_without_share_in_policy_is_ignored(tmp_path: Path) -> None:
+    e = enforcer(tmp_path)
+    assert "gpu_time_share" in e.on_webhook(request("throttle", container_id="id-a"))
+    e.close()
