@@ -29,6 +29,9 @@ static __always_inline int gw_cuda_enter(u32 fn, u64 out_ptr, u64 bytes, u64 pit
                 if (lim->action == GW_ACTION_KILL && bpf_send_signal(9) == 0)
                     gw_emit(GW_EV_KILL, st->cgroup_id, bytes, lim->limit_bytes, GW_DEV_CUDA,
                             GW_SRC_CUDA, 0);
+                else if (lim->action == GW_ACTION_STOP && bpf_send_signal(19) == 0)
+                    gw_emit(GW_EV_STOP, st->cgroup_id, bytes, lim->limit_bytes, GW_DEV_CUDA,
+                            GW_SRC_CUDA, 0);
             }
         }
     }

@@ -76,6 +76,7 @@
 #define GW_EV_OOM 2                  /* CUDA_ERROR_OUT_OF_MEMORY returned / RM alloc failed */
 #define GW_EV_OVER_LIMIT 3           /* allocation that would exceed the cgroup's limit */
 #define GW_EV_KILL 4                 /* bpf_send_signal(SIGKILL) sent for an over-limit alloc */
+#define GW_EV_STOP 5                 /* bpf_send_signal(SIGSTOP) sent: the enforcer decides next */
 /* verbose events: compiled in only with -DGW_VERBOSE_EVENTS=1 (gpuwatch trace) */
 #define GW_EV_DEVICE_OPEN 10
 #define GW_EV_ALLOC 11
@@ -88,6 +89,7 @@
 /* ---- limit actions (gw_limit.action) ---------------------------------------------------- */
 #define GW_ACTION_EVENT 0
 #define GW_ACTION_KILL 1
+#define GW_ACTION_STOP 2
 
 /* ---- stats map indices (gw_stats, array of __u64) --------------------------------------- */
 #define GW_STAT_FD_OVERFLOW 0

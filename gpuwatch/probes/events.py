@@ -12,6 +12,7 @@ EVENT_NAMES: dict[int, str] = {
     layout.GW_EV_OOM: "oom",
     layout.GW_EV_OVER_LIMIT: "over_limit",
     layout.GW_EV_KILL: "kill",
+    layout.GW_EV_STOP: "stop",
     layout.GW_EV_DEVICE_OPEN: "device_open",
     layout.GW_EV_ALLOC: "alloc",
     layout.GW_EV_FREE: "free",

@@ -59,7 +59,7 @@ TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("gw_exit_ioctl", "syscalls", "sys_exit_ioctl", "ioctl"),
 )
 
-ACTIONS = {"event": layout.GW_ACTION_EVENT, "kill": layout.GW_ACTION_KILL}
+ACTIONS = {"event": layout.GW_ACTION_EVENT, "kill": layout.GW_ACTION_KILL, "stop": layout.GW_ACTION_STOP}
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,10 @@ class ProbeManager:
     # ---- limits (kill/stop at the allocation, used by the enforcer) ---------------------------
     def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
         """CUDA-API live-bytes limit for a cgroup: over-limit allocations raise an event and,
-        with action="kill", get SIGKILL from the kernel before the allocation proceeds."""
+        with action="kill", get SIGKILL (action="stop": SIGSTOP, the enforcer decides what
+        next) from the kernel before the allocation proceeds."""
+        if action not in ACTIONS:
+            raise ValueError(f"unknown limit action {action!r}; use one of {', '.join(ACTIONS)}")
         lim = layout.GwLimit(limit_bytes=limit_bytes, action=ACTIONS[action])
         self._map("gw_limits").update(struct.pack("<Q", cgroup_id), bytes(lim))
 

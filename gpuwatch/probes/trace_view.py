@@ -62,7 +62,7 @@ def detail(ev: ProbeEvent) -> str:
     if ev.type == "oom":
         code = f"CUresult={ev.value}" if ev.source == "cuda" else f"status={ev.value:#x}"
         return f"{ev.source} {human_bytes(ev.size_bytes)} {code} {dev}".strip()
-    if ev.type in ("over_limit", "kill"):
+    if ev.type in ("over_limit", "kill", "stop"):
         return f"{ev.source} request={human_bytes(ev.size_bytes)} limit={human_bytes(ev.value)}"
     return ""
 

@@ -295,6 +295,27 @@ def test_over_limit_allocation_is_killed_in_kernel(lab: Lab, manager: ProbeManag
         manager.clear_limit(cg_id)
 
 
+def test_over_limit_allocation_is_stopped_in_kernel(lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("limit-stop")
+    manager.set_limit(cg_id, 3 * 1000, action="stop")
+    try:
+        manager.poll_events(0)
+        w = lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "1000", "10", "pause")
+
+        def stopped() -> bool:
+            return Path(f"/proc/{w.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+        wait_for(stopped)
+        events = [e for e in manager.poll_events(1000) if e.tgid == w.pid]
+        assert [e.type for e in events if e.type in ("over_limit", "stop")] == ["over_limit", "stop"]
+        # stopped at the entry of the 4th allocation: 3 succeeded, the 4th has not happened
+        assert counters_for(manager, cg_id).cuda_allocated_bytes == 3 * 1000
+        w.kill()
+        wait_for(lambda: counters_for(manager, cg_id).cuda_allocated_bytes == 0)
+    finally:
+        manager.clear_limit(cg_id)
+
+
 def _rss_kib() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
