@@ -69,7 +69,7 @@ class Enforcer:
         metrics: EnforcerMetrics | None = None,
         limit_map: LimitMap | None = None,
         busy_source: BusySource | None = None,
-        throttle_control_s: float = 1.0,
+        throttle_control_s: float = 0.25,
     ) -> None:
         """Load the policy (PolicyError if invalid), build the actions, thaw leftovers.
 

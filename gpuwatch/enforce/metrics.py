@@ -2,7 +2,7 @@
 
 gpuwatch_enforce_actions_total{action,result}, gpuwatch_enforce_limit_bytes /
 gpuwatch_enforce_limit_gpu_time_share per container, gpuwatch_enforce_paused /
-gpuwatch_enforce_throttled per container, gpuwatch_policy_reloads_total{result},
+gpuwatch_enforce_throttled_share per container, gpuwatch_policy_reloads_total{result},
 gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total.
 """
 

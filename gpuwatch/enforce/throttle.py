@@ -6,7 +6,8 @@ the container's kernel_seconds_total on a GPU node, its CPU time on the simulate
 corrects the duty with an integral step: duty += gain * (target - measured). Open-loop
 duty cycles miss because freeze/thaw latency and the workload's own idle time distort the
 ratio; the loop removes that bias. If the workload wants less than its share the duty
-saturates at 1 (never frozen).
+saturates at 1 (never frozen). The busy counter may be stepwise (updated once per sample
+interval); the loop then corrects once per step, between the times the value changed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DutyCycleThrottle:
         last_t = self.clock()
         last_busy = self.busy_seconds()
         next_control = last_t + self.control_interval_s
+        synced = False
         try:
             while not self._stop.is_set():
                 cycle_start = self.clock()
@@ -83,11 +85,16 @@ class DutyCycleThrottle:
                 now = self.clock()
                 if now >= next_control:
                     busy = self.busy_seconds()
-                    if now > last_t:
+                    # A stepwise source (kernel seconds from the latest snapshot) changes once
+                    # per sample interval: measure between changes, never over a stale value.
+                    if busy != last_busy and not synced:
+                        synced = True  # first change: the window before it is unknown
+                        last_t, last_busy = now, busy
+                    elif busy != last_busy and now > last_t:
                         self.measured_share = max(busy - last_busy, 0.0) / (now - last_t)
                         error = self.target_share - self.measured_share
                         self.duty = min(max(self.duty + self.gain * error, MIN_DUTY), 1.0)
-                    last_t, last_busy = now, busy
+                        last_t, last_busy = now, busy
                     next_control = now + self.control_interval_s
         except EnforcementError as err:
             log.error("throttle of %s stopped: %s", self.handle.cgroup_path, err)

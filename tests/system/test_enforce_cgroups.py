@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,3 +345,38 @@ def test_polling_path_latency(lab: CgroupLab, tmp_path: Path) -> None:
         f"{latencies[-1] * 1e3:.2f} ms max (plus up to one sample interval to see the violation)"
     )
     assert latencies[-1] < 0.5
+
+
+def test_throttle_with_stepwise_busy_source(lab: CgroupLab, tmp_path: Path) -> None:
+    """Like the agent's default source: kernel seconds from the latest snapshot, updated
+    once per sample interval (here 0.5 s) — the loop must still hold the share."""
+    path = lab.make("step")
+    worker = lab.spawn(path)
+    tree = CgroupTree()
+    handle = tree.handle(path)
+    sampled = {"busy": handle.cpu_seconds()}
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.wait(0.5):
+            sampled["busy"] = handle.cpu_seconds()
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    control = FreezeControl(
+        tree,
+        FrozenRegistry(tree, tmp_path / "frozen.json"),
+        lambda _k, _h: lambda: sampled["busy"],
+        throttle_control_s=0.1,
+    )
+    try:
+        control.throttle("step", path, 0.4, "stepwise")
+        time.sleep(3.0)
+        cpu0, t0 = worker.cpu_seconds(), time.monotonic()
+        time.sleep(4.0)
+        measured = (worker.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+    finally:
+        stop.set()
+        control.close()
+    print(f"\nstepwise source (0.5 s samples): target 40%, measured {measured:.1%}")
+    assert abs(measured - 0.4) <= 0.05
