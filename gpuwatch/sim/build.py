@@ -91,7 +91,8 @@ def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
-        last = detail[-1] if detail else f"exit {proc.returncode}"
+        errors = [line for line in detail if "error" in line]
+        last = (errors or detail or [f"exit {proc.returncode}"])[0]
         fix = _APT_FIX if "stdio.h" in proc.stderr or "crt1.o" in proc.stderr else "report this build error"
         raise SimError(f"building the simulated GPU libraries failed: {last}", fix=fix)
 

@@ -352,12 +352,17 @@ static int claim_slot_locked(void)
     struct sim_header *h = g_sim.hdr;
     int chosen = -1;
     uint32_t hw = h->proc_high_water;
-    for (uint32_t i = 0; i < hw && i < SIM_MAX_PROCS; i++) {
-        if (!h->procs[i].in_use || sim_slot_owner(&g_sim, (int)i, &g_self) < 0) {
+    struct sim_live *live = malloc(sizeof(*live));
+    if (!live)
+        return -1;
+    sim_liveness(&g_sim, &g_self, live);
+    for (uint32_t i = 0; i < live->count; i++) {
+        if (!h->procs[i].in_use || live->pid[i] < 0) {
             chosen = (int)i;
             break;
         }
     }
+    free(live);
     if (chosen < 0) {
         if (hw >= SIM_MAX_PROCS)
             return -1;

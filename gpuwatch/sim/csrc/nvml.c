@@ -146,6 +146,7 @@ static struct sim_handle g_sim;
 static struct sim_self g_self;
 static struct nvml_device g_devices[SIM_MAX_DEVICES];
 static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sim_live g_live; /* guarded by g_scratch_lock */
 
 #define UTIL_WINDOW_NS 1000000000ULL
 
@@ -636,14 +637,14 @@ static unsigned collect_procs(int i, struct live_proc *out, unsigned cap)
 {
     unsigned n = 0;
     sim_lock(&g_sim, 0);
-    uint32_t hw = g_sim.hdr->proc_high_water;
-    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS && n < cap; s++) {
+    sim_liveness(&g_sim, &g_self, &g_live);
+    for (uint32_t s = 0; s < g_live.count && n < cap; s++) {
         struct sim_proc *p = &g_sim.hdr->procs[s];
         if (!p->in_use)
             continue;
         if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
             continue;
-        int pid = sim_slot_owner(&g_sim, (int)s, &g_self);
+        int pid = g_live.pid[s];
         if (pid < 0)
             continue; /* dead: its memory is gone, as on a real GPU */
         out[n].host_pid = pid;
@@ -804,14 +805,14 @@ static unsigned collect_proc_util(int i, unsigned long long last_seen_us, uint64
     uint64_t window_us = (now_ns - from) / 1000;
     unsigned n = 0;
     sim_lock(&g_sim, 0);
-    uint32_t hw = g_sim.hdr->proc_high_water;
-    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS && n < cap; s++) {
+    sim_liveness(&g_sim, &g_self, &g_live);
+    for (uint32_t s = 0; s < g_live.count && n < cap; s++) {
         struct sim_proc *p = &g_sim.hdr->procs[s];
         if (!p->in_use)
             continue;
         if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
             continue;
-        int pid = sim_slot_owner(&g_sim, (int)s, &g_self);
+        int pid = g_live.pid[s];
         if (pid < 0)
             continue;
         uint64_t busy = sim_slot_busy_us(p, i, from, now_ns);
@@ -1496,13 +1497,16 @@ API int gpuwatchsim_list(const char *path, struct gpuwatchsim_proc_info *out, un
     struct sim_self self;
     sim_self_identity(&self);
     unsigned n = 0;
+    struct sim_live *live = malloc(sizeof(*live));
+    if (!live)
+        return -ENOMEM;
     flock(h.fd, LOCK_SH);
-    uint32_t hw = h.hdr->proc_high_water;
-    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
+    sim_liveness(&h, &self, live);
+    for (uint32_t s = 0; s < live->count; s++) {
         struct sim_proc *p = &h.hdr->procs[s];
         if (!p->in_use)
             continue;
-        int pid = sim_slot_owner(&h, (int)s, &self);
+        int pid = live->pid[s];
         if (pid < 0)
             continue;
         for (uint32_t dv = 0; dv < h.hdr->device_count && n < cap; dv++) {
@@ -1522,6 +1526,7 @@ API int gpuwatchsim_list(const char *path, struct gpuwatchsim_proc_info *out, un
         }
     }
     flock(h.fd, LOCK_UN);
+    free(live);
     helper_close(&h);
     return (int)n;
 }

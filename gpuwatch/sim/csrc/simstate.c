@@ -14,6 +14,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -186,23 +187,117 @@ HIDDEN uint64_t sim_slot_busy_us(const struct sim_proc *p, int dev, uint64_t fro
     return (uint64_t)(total + 0.5);
 }
 
-HIDDEN uint64_t sim_device_used_bytes(struct sim_handle *h, int dev, const struct sim_self *self, int reap)
+/* Parse /proc/locks once: every POSIX lock on our file in the liveness range marks
+ * its slot alive, with the owner's pid as seen from this PID namespace (0 when not
+ * visible). One read instead of one F_GETLK per slot. Returns -1 if unavailable. */
+static int liveness_from_proc_locks(struct sim_handle *h, struct sim_live *out)
+{
+    struct stat st;
+    if (fstat(h->fd, &st) < 0)
+        return -1;
+    int fd = open("/proc/locks", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) {
+        close(fd);
+        return -1;
+    }
+    for (;;) {
+        if (len + 4096 > cap) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                close(fd);
+                return -1;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        ssize_t n = read(fd, buf + len, cap - len - 1);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        len += (size_t)n;
+    }
+    close(fd);
+    buf[len] = 0;
+    unsigned dev_major = major(st.st_dev), dev_minor = minor(st.st_dev);
+    char *save = NULL;
+    for (char *line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        /* "12: POSIX  ADVISORY  WRITE 4242 00:1a:77 1099511627776 1099511627776"
+         * blocked waiters read "12: -> POSIX ..." and are skipped */
+        char type[16], mode[16], rw[16];
+        int pid;
+        unsigned maj, mnr;
+        unsigned long ino;
+        unsigned long long start;
+        char *colon = strchr(line, ':');
+        if (!colon || strstr(line, "->"))
+            continue;
+        if (sscanf(colon + 1, " %15s %15s %15s %d %x:%x:%lu %llu", type, mode, rw, &pid, &maj, &mnr, &ino,
+                   &start) != 8)
+            continue;
+        if (strcmp(type, "POSIX") != 0 || ino != (unsigned long)st.st_ino || maj != dev_major ||
+            mnr != dev_minor)
+            continue;
+        if (start < SIM_LIVE_LOCK_BASE || start >= SIM_LIVE_LOCK_BASE + SIM_MAX_PROCS)
+            continue;
+        uint32_t slot = (uint32_t)(start - SIM_LIVE_LOCK_BASE);
+        if (slot < out->count && h->hdr->procs[slot].in_use)
+            out->pid[slot] = pid > 0 ? pid : 0;
+    }
+    free(buf);
+    return 0;
+}
+
+HIDDEN void sim_liveness(struct sim_handle *h, const struct sim_self *self, struct sim_live *out)
+{
+    uint32_t hw = h->hdr->proc_high_water;
+    out->count = hw > SIM_MAX_PROCS ? SIM_MAX_PROCS : hw;
+    for (uint32_t i = 0; i < out->count; i++)
+        out->pid[i] = -1;
+    if (liveness_from_proc_locks(h, out) < 0) {
+        for (uint32_t i = 0; i < out->count; i++)
+            out->pid[i] = sim_slot_owner(h, (int)i, self);
+        return;
+    }
+    /* /proc/locks is read a page at a time, so lines can be missed when other locks
+     * come and go between reads: a lock seen is real, a lock not seen is confirmed
+     * with F_GETLK (authoritative; it also recognises the caller's own slot). */
+    for (uint32_t i = 0; i < out->count; i++)
+        if (h->hdr->procs[i].in_use && out->pid[i] < 0)
+            out->pid[i] = sim_slot_owner(h, (int)i, self);
+        else if (h->hdr->procs[i].in_use && is_self(&h->hdr->procs[i], self))
+            out->pid[i] = (int32_t)getpid();
+}
+
+HIDDEN uint64_t sim_used_bytes_live(struct sim_handle *h, int dev, const struct sim_live *live, int reap)
 {
     uint64_t used = 0;
-    uint32_t hw = h->hdr->proc_high_water;
-    if (hw > SIM_MAX_PROCS)
-        hw = SIM_MAX_PROCS;
-    for (uint32_t i = 0; i < hw; i++) {
+    for (uint32_t i = 0; i < live->count; i++) {
         struct sim_proc *p = &h->hdr->procs[i];
         if (!p->in_use)
             continue;
-        if (sim_slot_owner(h, (int)i, self) < 0) {
-            if (reap) {
+        if (live->pid[i] < 0) {
+            if (reap)
                 __atomic_store_n(&p->in_use, 0, __ATOMIC_RELEASE);
-            }
             continue;
         }
         used += p->memory_bytes[dev];
     }
+    return used;
+}
+
+HIDDEN uint64_t sim_device_used_bytes(struct sim_handle *h, int dev, const struct sim_self *self, int reap)
+{
+    struct sim_live *live = malloc(sizeof(*live));
+    if (!live)
+        return 0;
+    sim_liveness(h, self, live);
+    uint64_t used = sim_used_bytes_live(h, dev, live, reap);
+    free(live);
     return used;
 }

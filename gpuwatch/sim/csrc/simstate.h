@@ -155,6 +155,18 @@ void sim_self_identity(struct sim_self *out);
  * `self` is used to recognise the caller's own slot (F_GETLK cannot see own locks). */
 int sim_slot_owner(struct sim_handle *h, int slot, const struct sim_self *self);
 
+/* liveness of every slot in [0, count): pid in the caller's PID namespace (> 0), 0
+ * alive but not visible from here, -1 dead/free. One read of /proc/locks (fallback:
+ * F_GETLK per slot). Call with the state lock held for a consistent view. */
+struct sim_live {
+    uint32_t count;
+    int32_t pid[SIM_MAX_PROCS];
+};
+void sim_liveness(struct sim_handle *h, const struct sim_self *self, struct sim_live *out);
+/* memory of live slots on a device per `live`; reaps dead slots when `reap` (the caller
+ * holds the exclusive lock) */
+uint64_t sim_used_bytes_live(struct sim_handle *h, int dev, const struct sim_live *live, int reap);
+
 /* busy microseconds of a slot on a device within [from_ns, to_ns] (realtime) */
 uint64_t sim_slot_busy_us(const struct sim_proc *p, int dev, uint64_t from_ns, uint64_t to_ns);
 
