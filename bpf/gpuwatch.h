@@ -82,6 +82,7 @@
 #define GW_EV_ALLOC 11
 #define GW_EV_FREE 12
 #define GW_EV_PROCESS_EXIT 13
+#define GW_EV_PROCESS_EXEC 14
 
 #define GW_SRC_RM 1                  /* gw_event.source: decoded driver ioctl */
 #define GW_SRC_CUDA 2                /* libcuda uprobe */

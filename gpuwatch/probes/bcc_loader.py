@@ -34,7 +34,8 @@ UPROBE = "uprobe"
 # program name -> BCC program type, per group
 PROGRAMS: dict[str, dict[str, str]] = {
     "core": {"gw_enter_openat": TRACEPOINT, "gw_exit_openat": TRACEPOINT,
-             "gw_enter_close": TRACEPOINT, "gw_sched_exit": TRACEPOINT},
+             "gw_enter_close": TRACEPOINT, "gw_sched_exit": TRACEPOINT,
+             "gw_sched_exec": TRACEPOINT},
     "ioctl": {"gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT},
     "alloc": {"gw_cu_alloc": UPROBE, "gw_cu_alloc_pitch": UPROBE, "gw_cu_create": UPROBE,
               "gw_cu_alloc_ret": UPROBE, "gw_cu_free": UPROBE},

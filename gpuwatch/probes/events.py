@@ -17,6 +17,7 @@ EVENT_NAMES: dict[int, str] = {
     layout.GW_EV_ALLOC: "alloc",
     layout.GW_EV_FREE: "free",
     layout.GW_EV_PROCESS_EXIT: "process_exit",
+    layout.GW_EV_PROCESS_EXEC: "process_exec",
 }
 
 SOURCE_NAMES = {0: "", layout.GW_SRC_RM: "ioctl", layout.GW_SRC_CUDA: "cuda"}

@@ -55,6 +55,7 @@ TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("gw_exit_openat", "syscalls", "sys_exit_openat", "core"),
     ("gw_enter_close", "syscalls", "sys_enter_close", "core"),
     ("gw_sched_exit", "sched", "sched_process_exit", "core"),
+    ("gw_sched_exec", "sched", "sched_process_exec", "core"),
     ("gw_enter_ioctl", "syscalls", "sys_enter_ioctl", "ioctl"),
     ("gw_exit_ioctl", "syscalls", "sys_exit_ioctl", "ioctl"),
 )

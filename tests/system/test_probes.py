@@ -461,3 +461,27 @@ def test_pinned_counters_survive_an_agent_restart(lab: Lab) -> None:
         second.stop()
         second.unpin()
     assert not os.path.exists(pin_dir)
+
+
+def test_exec_releases_the_old_image_and_the_new_image_is_counted_afresh(
+        lab: Lab, manager: ProbeManager) -> None:
+    cg, cg_id = lab.cgroup("exec")
+    w = lab.spawn(cg, "open", "0", "rmalloc", "0", "3", "30", "0x40", str(MiB), "21",
+                  "dlopen", str(lab.lib), "cualloc", "5000", "2", "pause",
+                  "exec", "pause",
+                  "open", "1", "rmalloc", "0", "3", "30", "0x40", str(4 * MiB), "21", "pause")
+    w.wait_ready()
+    c = counters_for(manager, cg_id)
+    assert (dict(c.allocated_bytes_by_gpu), c.cuda_allocated_bytes) == ({0: MiB}, 10000)
+    w.release()
+    w.wait_ready()  # same pid, new image: the device fd closed on exec, CUDA state is gone
+    c = counters_for(manager, cg_id)
+    assert (dict(c.allocated_bytes_by_gpu), c.cuda_allocated_bytes) == ({0: 0}, 0)
+    w.release()
+    w.wait_ready()
+    c = counters_for(manager, cg_id)
+    assert dict(c.allocated_bytes_by_gpu) == {0: 0, 1: 4 * MiB}
+    assert dict(c.ioctl_calls_by_op)["rm_alloc"] == 2
+    w.release()
+    assert w.finish() == 0
+    wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {0: 0, 1: 0})

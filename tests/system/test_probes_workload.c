@@ -9,6 +9,7 @@
  *   rmleak FDI ROOT FIRST_OBJ COUNT SIZE      COUNT video-memory allocs, never freed
  *   dlopen PATH | cualloc SIZE COUNT | cufree COUNT | cupitch WIDTH HEIGHT | cucreate SIZE
  *   curelease | culaunch COUNT | cugraph COUNT | pause (prints "ready", waits for a line)
+ *   exec (re-exec itself with the remaining commands; device fds are O_CLOEXEC)
  */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -79,7 +80,7 @@ int main(int argc, char **argv)
         if (!strcmp(c, "open")) {
             char path[512];
             snprintf(path, sizeof(path), "%s%s", prefix, argv[++i]);
-            int fd = open(path, O_RDWR);
+            int fd = open(path, O_RDWR | O_CLOEXEC);  /* as libcuda does */
             if (fd < 0) die(path);
             fds[nfds++] = fd;
         } else if (!strcmp(c, "close")) {
@@ -157,6 +158,17 @@ int main(int argc, char **argv)
             long n = atol(argv[++i]);
             for (long k = 0; k < n; k++)
                 f(0, 0);
+        } else if (!strcmp(c, "exec")) {
+            /* re-exec this program with the remaining commands (O_CLOEXEC fds close) */
+            char *args[256];
+            int n = 0;
+            args[n++] = argv[0];
+            args[n++] = argv[1];
+            for (int j = i + 1; j < argc && n < 255; j++)
+                args[n++] = argv[j];
+            args[n] = 0;
+            execv("/proc/self/exe", args);
+            die("execv");
         } else if (!strcmp(c, "pause")) {
             char line[16];
             printf("ready\n");
