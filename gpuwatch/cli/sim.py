@@ -166,12 +166,8 @@ def _signal_number(text: str) -> int:
 @click.option("--mib-per-step", default=1024.0, show_default=True, help="MiB allocated per step.")
 @click.option("--steps", default=1, show_default=True, help="Allocation steps (0: unlimited for leak/free).")
 @click.option("--interval-s", default=1.0, show_default=True, help="Seconds between steps.")
-@click.option(
-    "--hold", "pattern", flag_value="hold", default=True, help="Allocate the steps, then hold (default)."
-)
-@click.option(
-    "--leak", "pattern", flag_value="leak", help="Keep allocating every interval (until OOM or steps)."
-)
+@click.option("--hold", "pattern", flag_value="hold", default=True, help="Allocate the steps, then hold (default).")
+@click.option("--leak", "pattern", flag_value="leak", help="Keep allocating every interval (until OOM or steps).")
 @click.option("--free", "pattern", flag_value="free", help="Allocate, hold one interval, free; repeat.")
 @click.option(
     "--duty",
@@ -181,9 +177,7 @@ def _signal_number(text: str) -> int:
     help="Fraction of time running kernels.",
 )
 @click.option("--kernel-ms", default=10.0, show_default=True, help="Length of one kernel.")
-@click.option(
-    "--lifetime-s", default=0.0, show_default=True, help="Exit after this long (0: run until killed)."
-)
+@click.option("--lifetime-s", default=0.0, show_default=True, help="Exit after this long (0: run until killed).")
 @click.option(
     "--checkpoint-signal",
     default="SIGUSR1",

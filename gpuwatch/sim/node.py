@@ -129,8 +129,10 @@ def root_for(name: str) -> Path:
         return Path(env)
     if os.geteuid() == 0:
         return Path("/run/gpuwatch-sim") / name
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gpuwatch-sim-{os.getuid()}"
-    return Path(runtime) / "gpuwatch-sim" / name
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "gpuwatch-sim" / name
+    return Path(f"/tmp/gpuwatch-sim-{os.getuid()}") / name
 
 
 def _check_name(name: str) -> None:
@@ -323,9 +325,7 @@ def status(node: SimNode) -> SimStatus:
         d = _DeviceInfo()
         rc = lib.gpuwatchsim_device(path, i, ctypes.byref(d))
         if rc < 0:
-            raise SimError(
-                f"cannot read device {i} of {node.state_path}: {os.strerror(-rc)}", fix=_NOT_UP_FIX
-            )
+            raise SimError(f"cannot read device {i} of {node.state_path}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
         devices.append(
             SimDevice(
                 index=i,
