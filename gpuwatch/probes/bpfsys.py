@@ -215,6 +215,9 @@ class BpfMap:
             key = nxt.raw
             yield key
 
+    def __iter__(self) -> Iterator[bytes]:
+        return self.keys()
+
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         for key in list(self.keys()):
             value = self.lookup(key)

@@ -48,17 +48,21 @@ def ld_cache_paths(name_prefix: str = LIB_PREFIX) -> list[str]:
     return paths
 
 
-def _pids(proc_root: Path) -> Iterable[str]:
+def _pids(proc_root: Path, only: Iterable[int] | None = None) -> Iterable[str]:
+    if only is not None:
+        return [str(p) for p in only]
     try:
         return [p for p in os.listdir(proc_root) if p.isdigit()]
     except OSError:
         return []
 
 
-def mapped_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB_PREFIX) -> list[str]:
-    """Paths (via /proc/<pid>/root) of libcuda copies mapped by running processes."""
+def mapped_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB_PREFIX,
+                 pids: Iterable[int] | None = None) -> list[str]:
+    """Paths (via /proc/<pid>/root) of libcuda copies mapped by running processes (all, or
+    only `pids`)."""
     found: dict[str, str] = {}
-    for pid in _pids(proc_root):
+    for pid in _pids(proc_root, pids):
         try:
             text = (proc_root / pid / "maps").read_text(errors="replace")
         except OSError:
@@ -73,15 +77,17 @@ def mapped_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB_PREFIX)
     return list(dict.fromkeys(found.values()))
 
 
-def container_root_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB_PREFIX) -> list[str]:
-    """libcuda copies in the root filesystems of processes whose root is not ours."""
+def container_root_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB_PREFIX,
+                         pids: Iterable[int] | None = None) -> list[str]:
+    """libcuda copies in the root filesystems of processes (all, or only `pids`) whose root
+    is not ours."""
     try:
         own = os.stat(proc_root / "self" / "root")
     except OSError:
         return []
     seen_roots: set[tuple[int, int]] = {(own.st_dev, own.st_ino)}
     paths: list[str] = []
-    for pid in _pids(proc_root):
+    for pid in _pids(proc_root, pids):
         root = proc_root / pid / "root"
         try:
             st = os.stat(root)
@@ -100,11 +106,16 @@ def container_root_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB
 
 
 def discover(configured: Iterable[str] = (), proc_root: Path = Path("/proc"),
-             name_prefix: str = LIB_PREFIX) -> list[LibraryCopy]:
-    """All distinct libcuda inodes reachable now, first path wins."""
+             name_prefix: str = LIB_PREFIX, pids: Iterable[int] | None = None,
+             use_ld_cache: bool = True) -> list[LibraryCopy]:
+    """Distinct libcuda inodes reachable now, first path wins: the configured paths (or the
+    ld cache when none are configured and use_ld_cache), then the copies mapped by / present
+    in the root filesystem of every process, or only of `pids`."""
     configured = list(configured)
-    candidates = [*(configured or ld_cache_paths(name_prefix)),
-                  *mapped_paths(proc_root, name_prefix), *container_root_paths(proc_root, name_prefix)]
+    pid_list = None if pids is None else list(pids)
+    base = configured or (ld_cache_paths(name_prefix) if use_ld_cache else [])
+    candidates = [*base, *mapped_paths(proc_root, name_prefix, pid_list),
+                  *container_root_paths(proc_root, name_prefix, pid_list)]
     copies: dict[tuple[int, int], LibraryCopy] = {}
     for path in candidates:
         try:

@@ -77,6 +77,7 @@ class ProbeConfig:
     max_rm_allocs: int = 65536
     max_cuda_allocs: int = 65536
     sweep_interval_s: float = 5.0
+    full_rescan_interval_s: float = 60.0  # read() also attaches libcuda of new GPU processes
     proc_root: str = "/proc"
 
 
@@ -121,6 +122,8 @@ class ProbeManager:
         self._ring: RingBuffer | None = None
         self.adopted: pinning.AdoptReport | None = None
         self._last_exits = -1
+        self._scanned_tgids: set[int] = set()
+        self._last_full_scan = 0.0
         self._last_sweep = 0.0
         self.load_s = 0.0
         self.attach_s = 0.0
@@ -209,13 +212,21 @@ class ProbeManager:
             table.update(LAUNCH_SYMBOLS)
         return table
 
-    def rescan(self) -> int:
-        """Attach uprobes to libcuda copies (inodes) not attached yet; returns how many."""
+    def rescan(self, pids: Iterable[int] | None = None) -> int:
+        """Attach uprobes to libcuda copies (inodes) not attached yet; returns how many.
+
+        Without `pids`: the configured paths (or the ld cache) and every process's maps and
+        root filesystem. With `pids`: only those processes (cheap; what read() does for GPU
+        processes it has not looked at yet)."""
         if self._objs is None or not (self.config.alloc_uprobes or self.config.launch_uprobes):
             return 0
         table = self._symbol_table()
         added = 0
-        for lib in discover(self.config.libcuda_paths, Path(self.config.proc_root)):
+        if pids is None:
+            self._last_full_scan = time.monotonic()
+        found = discover(self.config.libcuda_paths if pids is None else (), Path(self.config.proc_root),
+                         pids=pids, use_ld_cache=pids is None)
+        for lib in found:
             if lib.inode_key in self._libs:
                 continue
             try:
@@ -267,9 +278,25 @@ class ProbeManager:
             out[name] = struct.unpack("<Q", raw[:8])[0] if raw else 0
         return out
 
+    def _attach_new_gpu_processes(self) -> None:
+        """Look at the libcuda of GPU processes not seen yet (a container's own copy gets its
+        uprobes within one interval of its first device open); full rescan now and then."""
+        if not (self.config.alloc_uprobes or self.config.launch_uprobes):
+            return
+        if time.monotonic() - self._last_full_scan >= self.config.full_rescan_interval_s:
+            self.rescan()
+            return
+        current = {struct.unpack("<I", k)[0] for k in self._map("gw_tgids")}
+        new = current - self._scanned_tgids
+        self._scanned_tgids = current
+        if new:
+            self.rescan(pids=sorted(new))
+
     def read(self) -> tuple[ProbeCounters, ...]:
-        """One read of every per-cgroup map -> one ProbeCounters per cgroup seen."""
+        """One read of every per-cgroup map -> one ProbeCounters per cgroup seen (and, as
+        housekeeping, sweep stale entries and attach uprobes to new libcuda copies)."""
         self._maybe_sweep()
+        self._attach_new_gpu_processes()
         acc: dict[int, _CgroupAcc] = {}
 
         def get(cg: int) -> _CgroupAcc:

@@ -485,3 +485,22 @@ def test_exec_releases_the_old_image_and_the_new_image_is_counted_afresh(
     w.release()
     assert w.finish() == 0
     wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {0: 0, 1: 0})
+
+
+def test_read_attaches_the_libcuda_copy_of_a_new_gpu_process(lab: Lab, manager: ProbeManager) -> None:
+    copy_dir = lab.root / "other-container-root" / "usr" / "lib64"
+    copy_dir.mkdir(parents=True)
+    copy = copy_dir / "libcuda.so.1"
+    shutil.copy(lab.lib, copy)
+    cg, cg_id = lab.cgroup("auto-attach")
+    # like CUDA: load the library, open the device (cuInit), then allocate
+    w = lab.spawn(cg, "dlopen", str(copy), "open", "ctl", "pause", "cualloc", "777", "3", "pause")
+    w.wait_ready()
+    inode = (os.stat(copy).st_dev, os.stat(copy).st_ino)
+    manager.read()  # the sampler's once-per-interval read
+    assert inode in {lib.inode_key for lib in manager.attached_libraries()}
+    w.release()
+    w.wait_ready()
+    assert counters_for(manager, cg_id).cuda_allocated_bytes == 3 * 777
+    w.release()
+    assert w.finish() == 0
