@@ -86,14 +86,15 @@ class FreezeControl:
         return True
 
     def release(self, cgroup_path: str) -> bool:
-        """Stop throttling and thaw; True if anything was held."""
+        """Stop throttling and thaw what this agent froze; True if anything was held."""
         held = self.stop_throttle(cgroup_path)
         with self._lock:
             held |= cgroup_path in self._paused
             self._paused.discard(cgroup_path)
         handle = self.cgroups.handle(cgroup_path)
         entry = self.registry.entries().get(cgroup_path)
-        if handle.exists() and (entry is not None or handle.is_frozen()):
+        # Only what this agent froze: a container paused by someone else stays paused.
+        if handle.exists() and (entry is not None or held):
             handle.set_frozen(False, entry.mechanism if entry else None)
         self.registry.unmark(cgroup_path)
         return held or entry is not None

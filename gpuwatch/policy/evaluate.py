@@ -141,6 +141,9 @@ class _Run:
         self.rate_times = [x for x in state.disruptive_times_s if t - x < RATE_WINDOW_S]
         self.decisions: list[Decision] = []
         self.notes: list[str] = []
+        self.touched: set[str] = set()
+        self.fresh_holds: set[str] = set()
+        self.rule_changed: set[str] = set()
 
     def rate_limited(self) -> bool:
         return len(self.rate_times) >= self.policy.tuning.max_actions_per_minute
@@ -165,6 +168,9 @@ class _Run:
         self, ladder_key: str, rule_name: str, steps: Sequence[ActionStep], ratios: Sequence[float | None]
     ) -> tuple[LadderResult, LadderState]:
         before = self.ladders.get(ladder_key)
+        self.touched.add(ladder_key)
+        if before is not None and self.ladder_rules.get(ladder_key) != rule_name:
+            self.rule_changed.add(ladder_key)
         if before is None or self.ladder_rules.get(ladder_key) != rule_name:
             before = LadderState.fresh(len(steps))
         result = advance(before, steps, ratios, self.t, self.policy.tuning)
@@ -222,6 +228,7 @@ def _apply_container_rule(run: _Run, view: ContainerView, rule: Rule, measured: 
             state = undo_escalation(before, state)
         elif decision.verb in (Verb.THROTTLE, Verb.PAUSE) and not decision.suppressed:
             run.reversible[view.identity.key] = ladder_key
+            run.fresh_holds.add(view.identity.key)
         elif decision.verb is Verb.RELEASE:
             run.reversible.pop(view.identity.key, None)
     run.ladders[ladder_key] = state
@@ -341,6 +348,7 @@ def _apply_quota(
                     acted.append(view.identity.key)
                     if step.kind.reversible:
                         run.reversible[view.identity.key] = ladder_key
+                        run.fresh_holds.add(view.identity.key)
             if step.kind.reversible:
                 run.quota_victims[ladder_key] = tuple(dict.fromkeys((*run.quota_victims.get(ladder_key, ()), *acted)))
     run.ladders[ladder_key] = state
@@ -580,8 +588,24 @@ def evaluate(
     detected, resolved, effective, deadlocks, fair_paused, continued = _memory_arbitration(
         run, snapshot, views, priorities, probe_events
     )
-    # Targets that left the snapshot: release what we hold on them, then forget them.
     present = {v.identity.key for v in views}
+    # Throttles/pauses whose rule or quota no longer applies (policy reloaded, exemption,
+    # rule renamed): release them instead of leaving them in force forever.
+    for target_key, ladder_key in list(run.reversible.items()):
+        stale_hold = ladder_key not in run.touched or ladder_key in run.rule_changed
+        if target_key in present and target_key not in run.fresh_holds and stale_hold:
+            run.emit(
+                Decision(
+                    Verb.RELEASE,
+                    identities[target_key],
+                    run.ladder_rules.get(ladder_key, ""),
+                    "container",
+                    "the rule that throttled/paused it no longer applies (policy changed)",
+                )
+            )
+            run.reversible.pop(target_key, None)
+            run.quota_victims.pop(ladder_key, None)
+    # Targets that left the snapshot: release what we hold on them, then forget them.
     for key in list(last_seen):
         if key in present or t - last_seen[key] < VANISHED_INTERVALS * interval:
             continue

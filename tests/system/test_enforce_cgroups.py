@@ -380,3 +380,18 @@ def test_throttle_with_stepwise_busy_source(lab: CgroupLab, tmp_path: Path) -> N
         control.close()
     print(f"\nstepwise source (0.5 s samples): target 40%, measured {measured:.1%}")
     assert abs(measured - 0.4) <= 0.05
+
+
+def test_release_never_thaws_what_someone_else_froze(lab: CgroupLab, tmp_path: Path) -> None:
+    path = lab.make("foreign")
+    worker = lab.spawn(path)
+    tree = CgroupTree()
+    handle = tree.handle(path)
+    handle.set_frozen(True)  # e.g. `docker pause` by an operator
+    control = FreezeControl(tree, FrozenRegistry(tree, tmp_path / "frozen.json"))
+    try:
+        assert control.release(path) is False
+        assert control.close() == []
+        assert handle.is_frozen() and not progresses(worker, 0.3)
+    finally:
+        handle.set_frozen(False)

@@ -45,9 +45,7 @@ def usage(
     return ContainerUsage(identity, gpu, f"GPU-{gpu}", memory_bytes, 0.0, kernel_s, procs)
 
 
-def snap(
-    t: float, *rows: ContainerUsage, total: int = 16 * GIB, free: int | None = None, gpus: int = 1
-) -> Snapshot:
+def snap(t: float, *rows: ContainerUsage, total: int = 16 * GIB, free: int | None = None, gpus: int = 1) -> Snapshot:
     devices = tuple(DeviceInfo(i, f"GPU-{i}", "sim", None, total, None, free) for i in range(gpus))
     return Snapshot(timestamp_s=t, node="n", devices=devices, containers=rows, interval_s=1.0)
 
@@ -60,9 +58,7 @@ class Driver:
         self.state = EvaluatorState()
         self.safety = safety
 
-    def step(
-        self, snapshot: Snapshot, events: Sequence[ProbeEvent] = (), now: float | None = None
-    ) -> EvaluationResult:
+    def step(self, snapshot: Snapshot, events: Sequence[ProbeEvent] = (), now: float | None = None) -> EvaluationResult:
         result = evaluate(self.policy, snapshot, events, self.state, now, self.safety)
         self.state = result.state
         return result
@@ -156,9 +152,7 @@ def test_no_flapping_when_usage_oscillates_around_threshold() -> None:
     count = 0
     for t in range(60):
         memory = int((4.1 if t % 2 else 3.95) * GIB)  # 102% / 99%: inside the hysteresis band
-        count += sum(
-            1 for v in verbs(d.step(snap(float(t), usage(a, memory)))) if v in (Verb.PAUSE, Verb.RELEASE)
-        )
+        count += sum(1 for v in verbs(d.step(snap(float(t), usage(a, memory)))) if v in (Verb.PAUSE, Verb.RELEASE))
     assert count == 1  # paused once, never released while it oscillates
 
 
@@ -358,9 +352,7 @@ def test_namespace_quota_sums_containers_and_pauses_lowest_priority() -> None:
     seen = []
     for t in range(3):
         result = d.step(snap(float(t), usage(hi, 6 * GIB), usage(lo, 6 * GIB), usage(other, 6 * GIB)))
-        seen += [
-            (t, x.verb, x.target.container_name or x.target.pod_namespace, x.scope) for x in result.decisions
-        ]
+        seen += [(t, x.verb, x.target.container_name or x.target.pod_namespace, x.scope) for x in result.decisions]
     assert (0, Verb.ALERT, "team-a", "namespace") in seen
     assert (2, Verb.PAUSE, "lo", "namespace") in seen
     assert not any(name in ("hi", "x") and verb is Verb.PAUSE for _, verb, name, _ in seen)
@@ -393,9 +385,7 @@ rules:
 """
 
 
-def oom(
-    identity: ContainerIdentity, t: float, want: int, kind: ProbeEventKind = ProbeEventKind.OOM
-) -> ProbeEvent:
+def oom(identity: ContainerIdentity, t: float, want: int, kind: ProbeEventKind = ProbeEventKind.OOM) -> ProbeEvent:
     return ProbeEvent(kind, t, 100, 0, want, cgroup_path=identity.cgroup_path)
 
 
@@ -445,9 +435,7 @@ def test_stopped_at_allocation_continues_when_memory_frees() -> None:
 
 
 def test_fair_share_pauses_lowest_priority_then_resumes_in_order() -> None:
-    pol = policy(
-        DEADLOCK.replace("deadlock: {enabled: true", "fair_share: {enabled: true}\ndeadlock: {enabled: false")
-    )
+    pol = policy(DEADLOCK.replace("deadlock: {enabled: true", "fair_share: {enabled: true}\ndeadlock: {enabled: false"))
     d = Driver(pol)
     hi, lo = ident("hi", priority_label="high"), ident("lo", priority_label="low")
     total = 8 * GIB
@@ -471,3 +459,49 @@ def test_weighted_fair_share_water_filling() -> None:
     assert shares["small"] == 2
     assert abs(shares["b"] - 2 * shares["a"]) <= 1 and sum(shares.values()) <= 10
     assert weighted_fair_share(100, [("x", 5, 1.0), ("y", 7, 3.0)]) == {"x": 5, "y": 7}
+
+
+def test_policy_change_releases_a_throttle_whose_rule_is_gone() -> None:
+    throttling = policy("""
+rules:
+  - name: share
+    match: {default: true}
+    limits: {gpu_time_share: 25%}
+    actions: [{do: throttle}]
+""")
+    d = Driver(throttling)
+    a = ident("a")
+    d.step(snap(0.0, usage(a, kernel_s=0.0)))
+    assert verbs(d.step(snap(1.0, usage(a, kernel_s=0.9)))) == [Verb.THROTTLE]
+    d.policy = policy("rules:\n  - name: exempt\n    match: {default: true}\n")
+    result = d.step(snap(2.0, usage(a, kernel_s=1.8)))
+    assert [(x.verb, x.reason.startswith("the rule that throttled")) for x in result.decisions] == [
+        (Verb.RELEASE, True)
+    ]
+    assert verbs(d.step(snap(3.0, usage(a, kernel_s=2.7)))) == []
+
+
+def test_renamed_rule_that_throttles_again_keeps_the_throttle() -> None:
+    text = """
+rules:
+  - name: NAME
+    match: {default: true}
+    limits: {gpu_time_share: 25%}
+    actions: [{do: throttle}]
+"""
+    d = Driver(policy(text.replace("NAME", "one")))
+    a = ident("a")
+    d.step(snap(0.0, usage(a, kernel_s=0.0)))
+    assert verbs(d.step(snap(1.0, usage(a, kernel_s=0.9)))) == [Verb.THROTTLE]
+    d.policy = policy(text.replace("NAME", "two"))
+    assert verbs(d.step(snap(2.0, usage(a, kernel_s=1.8)))) == [Verb.THROTTLE]
+
+
+def test_removed_quota_releases_its_paused_victims() -> None:
+    d = Driver(policy(QUOTA.replace("for: 2s", "for: 0s")))
+    lo, hi = ident("lo", "team-a", "low"), ident("hi", "team-a", "high")
+    first = d.step(snap(0.0, usage(hi, 6 * GIB), usage(lo, 6 * GIB)))
+    assert (Verb.PAUSE, "lo") in [(x.verb, x.target.container_name) for x in first.decisions]
+    d.policy = policy(QUOTA.split("namespace_quotas:")[0])
+    result = d.step(snap(1.0, usage(hi, 6 * GIB), usage(lo, 6 * GIB)))
+    assert [(x.verb, x.target.container_name) for x in result.decisions] == [(Verb.RELEASE, "lo")]
