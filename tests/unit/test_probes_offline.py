@@ -109,3 +109,31 @@ def test_missing_bcc_says_what_is_off_and_the_fix() -> None:
         return
     assert "UNAVAILABLE BPF probes off: BCC (python3-bpfcc) is not importable" in result.stdout, result.stderr
     assert "never `pip install bcc`" in result.stdout
+
+
+def test_discover_finds_copies_mapped_by_processes_and_in_container_roots(fake_lib: Path, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    # pid 10: a container whose root holds its own libcuda, which it has mapped
+    root10 = tmp_path / "rootfs10"
+    (root10 / "usr" / "lib").mkdir(parents=True)
+    shutil.copy(fake_lib, root10 / "usr" / "lib" / "libcuda.so.1")
+    (proc / "10").mkdir(parents=True)
+    (proc / "10" / "root").symlink_to(root10)
+    (proc / "10" / "maps").write_text(
+        "7f00-7f10 r-xp 00000000 fd:00 123 /usr/lib/libcuda.so.1\n7f20-7f30 r--p 0 fd:00 9 /usr/lib/libc.so.6\n")
+    # pid 11: not mapped yet, but its root filesystem ships one in a standard directory
+    root11 = tmp_path / "rootfs11"
+    (root11 / "usr" / "lib64").mkdir(parents=True)
+    shutil.copy(fake_lib, root11 / "usr" / "lib64" / "libcuda.so.1")
+    (proc / "11").mkdir()
+    (proc / "11" / "root").symlink_to(root11)
+    (proc / "11" / "maps").write_text("")
+    (proc / "self").symlink_to(proc / "12")
+    (proc / "12").mkdir()
+    (proc / "12" / "root").symlink_to("/")
+    found = discover([], proc_root=proc, use_ld_cache=False)
+    inode = {(os.stat(p).st_dev, os.stat(p).st_ino) for p in (root10 / "usr/lib/libcuda.so.1",
+                                                                 root11 / "usr/lib64/libcuda.so.1")}
+    assert {c.inode_key for c in found} == inode
+    assert {c.inode_key for c in discover([], proc_root=proc, use_ld_cache=False, pids=[11])} == {
+        (os.stat(root11 / "usr/lib64/libcuda.so.1").st_dev, os.stat(root11 / "usr/lib64/libcuda.so.1").st_ino)}
