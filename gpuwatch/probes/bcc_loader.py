@@ -130,16 +130,16 @@ def load_programs(request: LoadRequest, timeout_s: float = 120.0) -> LoadedObjec
     finally:
         parent.close()
         child.close()  # idempotent
+    tail = " | ".join(err_text.decode(errors="replace").strip().splitlines()[-12:])
     if not msg:
-        tail = err_text.decode(errors="replace").strip().splitlines()[-12:]
-        raise ProbesUnavailable("BPF probes off: the kernel or BCC refused the programs: "
-                                + " | ".join(tail),
+        raise ProbesUnavailable(f"BPF probes off: the kernel or BCC refused the programs: {tail}",
                                 fix="run `gpuwatch doctor`; check kernel headers and BPF support")
     reply = json.loads(msg.decode())
     if reply.get("error"):
         for fd in fds:
             os.close(fd)
-        raise ProbesUnavailable(f"BPF probes off: {reply['error']}", fix=reply.get("fix", ""))
+        detail = f" ({tail})" if tail else ""
+        raise ProbesUnavailable(f"BPF probes off: {reply['error']}{detail}", fix=reply.get("fix", ""))
     objs = LoadedObjects(compile_s=time.monotonic() - started)
     for name, idx in reply["maps"].items():
         objs.maps[name] = fds[idx]

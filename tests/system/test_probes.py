@@ -352,7 +352,7 @@ def test_stop_leaves_nothing_attached(lab: Lab) -> None:
     assert pm.attached_libraries()
     pm.stop()
     pm.stop()  # idempotent
-    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids))
+    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids), timeout_s=30.0)
     assert "gw_" not in _uprobe_events()
 
 
@@ -391,7 +391,7 @@ def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached_and_its_rss
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids))
+    wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids), timeout_s=30.0)
     assert "gw_" not in _uprobe_events()
 
 
