@@ -1,5 +1,6 @@
 """Checkpoint then kill: thaw, send the checkpoint signal (default SIGUSR1) to every
-process, wait the grace period (or until they all exit), then kill what is left.
+process (then SIGCONT, for processes stopped at an allocation), wait the grace period (or
+until they all exit), then kill what is left.
 
 Runs in a background thread so the enforcer keeps evaluating; `apply` returns STARTED
 and the final result goes to the completion callback (audit + metrics).
@@ -52,6 +53,9 @@ class CheckpointKillAction:
         try:
             self.control.forget(handle.cgroup_path)  # frozen processes cannot checkpoint
             reached = handle.signal_all(decision.signal)
+            # A process stopped at an allocation (SIGSTOP from the kernel probe) handles the
+            # checkpoint signal only once continued; the pending signal runs first.
+            handle.signal_all(signal.SIGCONT)
             deadline = started + decision.grace_s
             while time.monotonic() < deadline and handle.pids() and not self._cancel.is_set():
                 time.sleep(0.02)
