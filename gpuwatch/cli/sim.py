@@ -69,7 +69,12 @@ def sim() -> None:
     show_default=True,
     help="Parameter layout of the RM_ALLOC ioctls the stub issues.",
 )
-def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: str) -> None:
+@click.option(
+    "--rm-device-handles",
+    is_flag=True,
+    help="Contexts also RM_ALLOC the client, device (0x80) and subdevice (0x2080), as the real driver does.",
+)
+def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: str, rm_device_handles: bool) -> None:
     """Bring a simulated node up (re-creating it resets its ledger)."""
     from gpuwatch.sim import node as simnode
 
@@ -79,6 +84,7 @@ def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: st
         memory_bytes=_parse_size(memory),
         name=name,
         rm_alloc_params=rm_alloc_params,
+        rm_device_handles=rm_device_handles,
     )
     click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each")
     click.echo(f"  state  {n.state_path}")

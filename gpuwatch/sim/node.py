@@ -156,6 +156,7 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_char_p,
             ctypes.c_ulonglong,
             ctypes.c_uint,
+            ctypes.c_uint,
         ]
         lib.gpuwatchsim_inject.argtypes = [
             ctypes.c_char_p,
@@ -195,11 +196,16 @@ def up(
     state_path: Path | None = None,
     root: Path | None = None,
     rm_alloc_params: str = "nvos64",
+    rm_device_handles: bool = False,
 ) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
-    Re-creating a node that is up resets its ledger: processes of the old node keep
-    their mapping of the old (unlinked) file and are no longer seen."""
+    `rm_alloc_params` picks the RM_ALLOC parameter layout the stub issues (NVOS64, 48 B,
+    or NVOS21, 32 B). With `rm_device_handles`, each process's first context on a device
+    also RM_ALLOCs the RM client (0x41), NV01_DEVICE_0 (0x80, deviceId = minor) and
+    NV20_SUBDEVICE_0 (0x2080), as the real driver sequence does, so probes can map device
+    handles to GPUs. Re-creating a node that is up resets its ledger: processes of the
+    old node keep their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)
     if not 1 <= devices <= MAX_DEVICES:
         raise SimError(
@@ -235,6 +241,7 @@ def up(
         model.encode(),
         memory_bytes,
         RM_ALLOC_LAYOUTS[rm_alloc_params],
+        int(rm_device_handles),
     )
     if rc < 0:
         raise SimError(
@@ -252,6 +259,7 @@ def up(
         "memory_bytes": memory_bytes,
         "char_device_nodes": all(real),
         "rm_alloc_params": rm_alloc_params,
+        "rm_device_handles": rm_device_handles,
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
     return node

@@ -104,55 +104,64 @@ def bpf_module(bcc_required: None) -> Iterator[Any]:
     yield bcc
 
 
+def _trace_worker(node: SimNode, bcc: Any) -> list[tuple[int, bytes, bytes]]:
+    """Run a simworker (GPU 1, 4 x 5 MiB, freed at exit) under the tracepoint program;
+    returns (cmd, first 48 bytes of the ioctl argument, 128 bytes of pAllocParms)."""
+    # the shell waits for a line before exec'ing the worker, so the probe is attached
+    # (filtered on this pid) before the first ioctl
+    proc = subprocess.Popen(
+        [
+            "/bin/sh",
+            "-c",
+            f'read go; exec {node.libraries.worker_path} "$@"',
+            "sh",
+            "--gpu",
+            "1",
+            "--mib-per-step",
+            "5",
+            "--steps",
+            "4",
+            "--lifetime-s",
+            "0.2",
+            "--free",
+        ],
+        env=sim_env(node, dict(os.environ)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    events: list[tuple[int, bytes, bytes]] = []
+    bpf = bcc.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={proc.pid}"])
+    try:
+
+        def on_event(cpu: int, data: Any, size: int) -> None:
+            raw = ctypes.string_at(data, size)
+            cmd = struct.unpack_from("<I", raw, 0)[0]
+            events.append((cmd, raw[4:52], raw[52:180]))
+
+        bpf[b"events"].open_perf_buffer(on_event)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            bpf.perf_buffer_poll(timeout=100)
+            if sum(1 for e in events if e[0] == RM_FREE_NVOS00) >= 4:
+                break
+    finally:
+        bpf.cleanup()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return events
+
+
 def test_tracepoint_reads_real_rm_alloc_and_free_layout(tmp_path: Path, bpf_module: Any) -> None:
     with private_node(tmp_path, devices=2, memory_bytes=GIB) as node:
-        # the shell waits for a line before exec'ing the worker, so the probe is
-        # attached (filtered on this pid) before the first ioctl
-        proc = subprocess.Popen(
-            [
-                "/bin/sh",
-                "-c",
-                f'read go; exec {node.libraries.worker_path} "$@"',
-                "sh",
-                "--gpu",
-                "1",
-                "--mib-per-step",
-                "5",
-                "--steps",
-                "4",
-                "--lifetime-s",
-                "0.2",
-                "--free",
-            ],
-            env=sim_env(node, dict(os.environ)),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        events: list[tuple[int, bytes, bytes]] = []
-        bpf = bpf_module.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={proc.pid}"])
-        try:
-
-            def on_event(cpu: int, data: Any, size: int) -> None:
-                raw = ctypes.string_at(data, size)
-                cmd = struct.unpack_from("<I", raw, 0)[0]
-                events.append((cmd, raw[4:52], raw[52:180]))
-
-            bpf[b"events"].open_perf_buffer(on_event)
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.close()
-            assert proc.wait(timeout=20) == 0
-            deadline = time.monotonic() + 2
-            while len(events) < 8 and time.monotonic() < deadline:
-                bpf.perf_buffer_poll(timeout=100)
-        finally:
-            bpf.cleanup()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        events = _trace_worker(node, bpf_module)
     allocs = [e for e in events if e[0] == RM_ALLOC_NVOS64]
     frees = [e for e in events if e[0] == RM_FREE_NVOS00]
     assert len(allocs) == 4 and len(frees) == 4
@@ -174,3 +183,17 @@ def test_tracepoint_reads_real_rm_alloc_and_free_layout(tmp_path: Path, bpf_modu
         assert (h_root, h_parent) in roots
         freed.append(h_old)
     assert sorted(freed) == sorted(handles)
+
+
+def test_device_handle_handshake_precedes_memory_allocations(tmp_path: Path, bpf_module: Any) -> None:
+    with private_node(tmp_path, devices=2, memory_bytes=GIB, rm_device_handles=True) as node:
+        events = _trace_worker(node, bpf_module)
+    allocs = [(*struct.unpack_from("<4I", args, 0), params) for cmd, args, params in events if cmd == RM_ALLOC_NVOS64]
+    classes = [a[3] for a in allocs]
+    assert classes == [0x41, 0x80, 0x2080, 0x40, 0x40, 0x40, 0x40]
+    (client_root, client_parent, client_new, _, _), device, subdevice = allocs[0], allocs[1], allocs[2]
+    assert client_root == client_parent == client_new  # the RM client is its own root
+    assert device[0] == client_root and device[1] == client_new
+    assert struct.unpack_from("<I", device[4], 0)[0] == 1  # NV0080_ALLOC_PARAMETERS.deviceId of GPU 1
+    assert subdevice[1] == device[2]  # subdevice under the device
+    assert all(a[1] == device[2] and a[0] == client_root for a in allocs[3:])  # memory under the device

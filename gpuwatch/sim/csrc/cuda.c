@@ -75,6 +75,27 @@ enum {
 #define NV_ESC_RM_FREE 0x29
 #define NV_ESC_RM_ALLOC 0x2B
 #define NV01_MEMORY_LOCAL_USER 0x40
+#define NV01_ROOT_CLIENT 0x41
+#define NV01_DEVICE_0 0x80
+#define NV20_SUBDEVICE_0 0x2080
+
+typedef struct {
+    uint32_t deviceId;      /* 0 */
+    uint32_t hClientShare;  /* 4 */
+    uint32_t hTargetClient; /* 8 */
+    uint32_t hTargetDevice; /* 12 */
+    uint32_t flags;         /* 16 */
+    uint32_t pad0;          /* 20 */
+    uint64_t vaSpaceSize;   /* 24 */
+    uint64_t vaStartInternal; /* 32 */
+    uint64_t vaLimitInternal; /* 40 */
+    uint32_t vaMode;        /* 48 */
+    uint32_t pad1;          /* 52 */
+} NV0080_ALLOC_PARAMETERS; /* 56 B */
+
+typedef struct {
+    uint32_t subDeviceId;
+} NV2080_ALLOC_PARAMETERS;
 
 typedef struct {
     uint32_t hRoot, hObjectParent, hObjectNew, hClass;
@@ -156,6 +177,10 @@ static struct alloc_rec *g_allocs;
 static size_t g_alloc_cap;
 static size_t g_alloc_used;
 static __thread struct sim_ctx *t_ctx;
+static int g_client_allocated;      /* RM client allocated (rm_device_handles) */
+static uint32_t g_devices_allocated; /* devices with NV01_DEVICE_0 allocated */
+
+static void rm_device_handshake(int phys);
 
 static void atfork_child(void)
 {
@@ -163,6 +188,8 @@ static void atfork_child(void)
      * stay the parent's), and must not share the parent's open file description:
      * flock() locks belong to it, so parent and child would not exclude each other. */
     g_slot = -1;
+    g_client_allocated = 0;
+    g_devices_allocated = 0;
     g_allocs = NULL;
     g_alloc_cap = g_alloc_used = 0;
     pthread_mutex_init(&g_lock, NULL);
@@ -440,6 +467,7 @@ API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
         return CUDA_ERROR_UNKNOWN;
     }
     open_nodes(p);
+    rm_device_handshake(p);
     __atomic_fetch_or(&g_sim.hdr->procs[slot].context_mask, 1u << p, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&g_lock);
     struct sim_ctx *c = calloc(1, sizeof(*c));
@@ -555,38 +583,69 @@ static int allocs_take(CUdeviceptr ptr, struct alloc_rec *out)
     return -1;
 }
 
-static void issue_rm_alloc(uint32_t handle, int phys, uint64_t size)
+/* one RM_ALLOC ioctl on nvidiactl in the node's parameter layout (NVOS64 or NVOS21) */
+static void rm_alloc(uint32_t h_root, uint32_t h_parent, uint32_t h_new, uint32_t h_class, void *params,
+                     uint32_t params_size)
 {
     if (g_ctl_fd < 0)
         return;
-    NV_MEMORY_ALLOCATION_PARAMS mp;
-    memset(&mp, 0, sizeof(mp));
-    mp.owner = g_hroot;
-    mp.size = size;
-    mp.flags = 0;
-    mp.attr = 0;
-    uint32_t parent = 0xde000000u | (uint32_t)phys; /* the device's RM handle */
     if (g_sim.hdr->rm_alloc_params == SIM_RMALLOC_NVOS21) {
         NVOS21_PARAMETERS p;
         memset(&p, 0, sizeof(p));
-        p.hRoot = g_hroot;
-        p.hObjectParent = parent;
-        p.hObjectNew = handle;
-        p.hClass = NV01_MEMORY_LOCAL_USER;
-        p.pAllocParms = (uint64_t)(uintptr_t)&mp;
-        p.paramsSize = sizeof(mp);
+        p.hRoot = h_root;
+        p.hObjectParent = h_parent;
+        p.hObjectNew = h_new;
+        p.hClass = h_class;
+        p.pAllocParms = (uint64_t)(uintptr_t)params;
+        p.paramsSize = params_size;
         (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_ALLOC, NVOS21_PARAMETERS), &p);
     } else {
         NVOS64_PARAMETERS p;
         memset(&p, 0, sizeof(p));
-        p.hRoot = g_hroot;
-        p.hObjectParent = parent;
-        p.hObjectNew = handle;
-        p.hClass = NV01_MEMORY_LOCAL_USER;
-        p.pAllocParms = (uint64_t)(uintptr_t)&mp;
-        p.paramsSize = sizeof(mp);
+        p.hRoot = h_root;
+        p.hObjectParent = h_parent;
+        p.hObjectNew = h_new;
+        p.hClass = h_class;
+        p.pAllocParms = (uint64_t)(uintptr_t)params;
+        p.paramsSize = params_size;
         (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_ALLOC, NVOS64_PARAMETERS), &p);
     }
+}
+
+static uint32_t device_handle(int phys)
+{
+    return 0xde000000u | (uint32_t)phys;
+}
+
+static void issue_rm_alloc(uint32_t handle, int phys, uint64_t size)
+{
+    NV_MEMORY_ALLOCATION_PARAMS mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.owner = g_hroot;
+    mp.size = size;
+    rm_alloc(g_hroot, device_handle(phys), handle, NV01_MEMORY_LOCAL_USER, &mp, sizeof(mp));
+}
+
+/* What a real context creation asks the driver for first (when the node enables it):
+ * the RM client once per process, then per device an NV01_DEVICE_0 (deviceId) and an
+ * NV20_SUBDEVICE_0 under it. Probes map (tgid, hRoot, hDevice) to a GPU from these. */
+static void rm_device_handshake(int phys)
+{
+    if (!g_sim.hdr->rm_device_handles)
+        return;
+    if (!g_client_allocated) {
+        rm_alloc(g_hroot, g_hroot, g_hroot, NV01_ROOT_CLIENT, NULL, 0);
+        g_client_allocated = 1;
+    }
+    if (g_devices_allocated & (1u << phys))
+        return;
+    g_devices_allocated |= 1u << phys;
+    NV0080_ALLOC_PARAMETERS dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.deviceId = g_sim.hdr->devices[phys].minor;
+    rm_alloc(g_hroot, g_hroot, device_handle(phys), NV01_DEVICE_0, &dp, sizeof(dp));
+    NV2080_ALLOC_PARAMETERS sp = {0};
+    rm_alloc(g_hroot, device_handle(phys), 0x5d000000u | (uint32_t)phys, NV20_SUBDEVICE_0, &sp, sizeof(sp));
 }
 
 static void issue_rm_free(uint32_t handle, int phys)
@@ -595,7 +654,7 @@ static void issue_rm_free(uint32_t handle, int phys)
         return;
     NVOS00_PARAMETERS p;
     p.hRoot = g_hroot;
-    p.hObjectParent = 0xde000000u | (uint32_t)phys;
+    p.hObjectParent = device_handle(phys);
     p.hObjectOld = handle;
     p.status = 0;
     (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_FREE, NVOS00_PARAMETERS), &p);

@@ -1291,7 +1291,8 @@ API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 
 /* Create (or replace) a node's state file. Returns 0 or -errno. */
 API int gpuwatchsim_create(const char *path, const char *node_name, const char *root, unsigned device_count,
-                           const char *model, unsigned long long memory_bytes, unsigned rm_alloc_params)
+                           const char *model, unsigned long long memory_bytes, unsigned rm_alloc_params,
+                           unsigned rm_device_handles)
 {
     if (!path || !node_name || !root || !model || device_count == 0 || device_count > SIM_MAX_DEVICES)
         return -EINVAL;
@@ -1322,6 +1323,7 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
     snprintf(h->driver_version, sizeof(h->driver_version), "550.54.15");
     h->cuda_driver_version = 12040;
     h->rm_alloc_params = rm_alloc_params;
+    h->rm_device_handles = rm_device_handles ? 1u : 0u;
     /* stable, obviously-fake identities derived from the node name */
     uint32_t seed = 2166136261u;
     for (const char *c = node_name; *c; c++)

@@ -111,7 +111,7 @@ struct sim_header {
     uint32_t cuda_driver_version; /* 12040 */
     uint32_t rm_alloc_params;     /* SIM_RMALLOC_* */
     uint32_t proc_high_water;     /* slots [0, high_water) may be in use */
-    uint32_t pad;
+    uint32_t rm_device_handles;   /* 1: contexts RM_ALLOC a client, device and subdevice */
     uint64_t event_seq;           /* last event seq written */
     struct sim_event events[SIM_MAX_EVENTS];
     struct sim_device devices[SIM_MAX_DEVICES];
