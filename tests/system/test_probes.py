@@ -504,3 +504,13 @@ def test_read_attaches_the_libcuda_copy_of_a_new_gpu_process(lab: Lab, manager: 
     assert counters_for(manager, cg_id).cuda_allocated_bytes == 3 * 777
     w.release()
     assert w.finish() == 0
+
+
+def test_kernel_refusal_is_reported_as_probes_unavailable(bcc_required: None) -> None:
+    from gpuwatch.errors import ProbesUnavailable
+    from gpuwatch.probes import bcc_loader
+
+    with pytest.raises(ProbesUnavailable) as info:  # a hash map with 0 entries is refused
+        bcc_loader.load_programs(bcc_loader.LoadRequest(extra_cflags=("-DGW_MAX_FDS=0",)))
+    assert "BPF probes off: BCC could not build/load bpf/" in str(info.value)
+    assert info.value.fix
