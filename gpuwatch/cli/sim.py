@@ -118,7 +118,7 @@ def status_cmd(name: str) -> None:
         flags = " LOST" if d.lost else ""
         click.echo(
             f"GPU {d.index}  {d.name}  {d.uuid}  {d.memory_used_bytes / gib:.2f} / "
-            f"{d.memory_total_bytes / gib:.2f} GiB{flags}"
+            f"{d.memory_total_bytes / gib:.2f} GiB  util {d.utilization_percent}%{flags}"
         )
         for p in (p for p in st.processes if p.device == d.index):
             ns = f" (pid {p.ns_pid} in its namespace)" if p.ns_pid != p.host_pid else ""

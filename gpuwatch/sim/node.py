@@ -60,6 +60,7 @@ class SimDevice:
     minor: int
     memory_total_bytes: int
     memory_used_bytes: int
+    utilization_percent: int  # busy share of the last second, as NVML reports it
     lost: bool
     ecc_corrected_volatile: int
     ecc_uncorrected_volatile: int
@@ -111,6 +112,8 @@ class _DeviceInfo(ctypes.Structure):
         ("ecc_uncorrected_volatile", ctypes.c_uint64),
         ("minor", ctypes.c_uint32),
         ("lost", ctypes.c_uint32),
+        ("utilization_percent", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -343,6 +346,7 @@ def status(node: SimNode) -> SimStatus:
                 minor=d.minor,
                 memory_total_bytes=d.memory_total_bytes,
                 memory_used_bytes=sum(p.memory_bytes for p in procs if p.device == i),
+                utilization_percent=d.utilization_percent,
                 lost=bool(d.lost),
                 ecc_corrected_volatile=d.ecc_corrected_volatile,
                 ecc_uncorrected_volatile=d.ecc_uncorrected_volatile,

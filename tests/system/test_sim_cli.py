@@ -41,7 +41,7 @@ def test_up_status_down_round_trip(tmp_path: Path) -> None:
         st = subprocess.run([*cli, "status", "--name", name], env=env, capture_output=True, text=True, check=False)
         assert st.returncode == 0, st.stderr
         assert st.stdout.count("gpuwatch-sim H100 80GB HBM3") == 3
-        assert "0.00 / 2.00 GiB" in st.stdout
+        assert "0.00 / 2.00 GiB  util 0%" in st.stdout
     finally:
         down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True, text=True, check=False)
     assert down.returncode == 0 and "down" in down.stdout

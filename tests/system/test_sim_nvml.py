@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.sim import status
 from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml, workers
 
 
@@ -176,7 +177,7 @@ def _measure_utilisation(node_devices: int, duties: list[float], tmp_path: Path,
             pids.append(proc.pid)
         warmup_start_us = int(time.time() * 1e6)
         time.sleep(1.5)
-        return pids, run_nvml(
+        out = run_nvml(
             node,
             f"""
 since = {warmup_start_us} + 200_000
@@ -193,6 +194,8 @@ for rnd in range(3):
 print(json.dumps(dict(dev=dev, proc=proc)))
 """,
         )
+        out["status"] = [d.utilization_percent for d in status(node).devices]
+        return pids, out
 
 
 def test_utilisation_follows_commanded_duty_within_5_points(tmp_path: Path) -> None:
@@ -203,6 +206,7 @@ def test_utilisation_follows_commanded_duty_within_5_points(tmp_path: Path) -> N
         assert abs(dev_mean - duty * 100) <= 5, (duty, out["dev"])
         proc_mean = sum(r[i][str(pids[i])] for r in out["proc"]) / len(out["proc"])
         assert abs(proc_mean - duty * 100) <= 5, (duty, out["proc"])
+        assert abs(out["status"][i] - duty * 100) <= 6, (duty, out["status"])  # `gpuwatch sim status`
 
 
 def test_python_workload_duty_is_reported(tmp_path: Path) -> None:

@@ -741,22 +741,29 @@ API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsi
 
 /* ---- utilisation ---- */
 
-static unsigned device_util_pct(int i, uint64_t from_ns, uint64_t to_ns)
+/* busy share of device i in [from_ns, to_ns], summed over processes, clamped to 100 */
+static unsigned util_pct_of(struct sim_handle *h, int i, uint64_t from_ns, uint64_t to_ns)
 {
     uint64_t busy_us = 0;
-    sim_lock(&g_sim, 0);
-    uint32_t hw = g_sim.hdr->proc_high_water;
+    uint32_t hw = h->hdr->proc_high_water;
     for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
-        struct sim_proc *p = &g_sim.hdr->procs[s];
+        struct sim_proc *p = &h->hdr->procs[s];
         if (!p->in_use)
             continue;
         /* busy time of a process that died inside the window still counts: it ran */
         busy_us += sim_slot_busy_us(p, i, from_ns, to_ns);
     }
-    sim_unlock(&g_sim);
     uint64_t window_us = (to_ns - from_ns) / 1000;
     uint64_t pct = window_us ? (busy_us * 100 + window_us / 2) / window_us : 0;
     return pct > 100 ? 100 : (unsigned)pct;
+}
+
+static unsigned device_util_pct(int i, uint64_t from_ns, uint64_t to_ns)
+{
+    sim_lock(&g_sim, 0);
+    unsigned pct = util_pct_of(&g_sim, i, from_ns, to_ns);
+    sim_unlock(&g_sim);
+    return pct;
 }
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
@@ -1542,9 +1549,11 @@ struct gpuwatchsim_device_info {
     uint64_t ecc_uncorrected_volatile;
     uint32_t minor;
     uint32_t lost;
+    uint32_t utilization_percent; /* over the last second, as nvmlDeviceGetUtilizationRates */
+    uint32_t pad;
 };
 
-/* Static facts and fault state of one device. Returns 0 or -errno. */
+/* Static facts, utilisation and fault state of one device. Returns 0 or -errno. */
 API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim_device_info *out)
 {
     struct sim_handle h;
@@ -1565,6 +1574,10 @@ API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim
     out->ecc_uncorrected_volatile = d->ecc_uncorrected_volatile;
     out->minor = d->minor;
     out->lost = d->lost;
+    uint64_t now = sim_realtime_ns();
+    flock(h.fd, LOCK_SH);
+    out->utilization_percent = util_pct_of(&h, (int)device, now - UTIL_WINDOW_NS, now);
+    flock(h.fd, LOCK_UN);
     helper_close(&h);
     return 0;
 }
