@@ -1,0 +1,187 @@
+"""The deadlock paper's scenario on the simulated node with runc pods: a 5 GiB GPU, two
+containers each hold 2 GiB and each ask for 2 GiB more, stopped at the allocation.
+
+The kernel probe's stop-at-allocation is played by the test (SIGSTOP + a
+STOPPED_AT_ALLOCATION event per container, exactly what the probe reports); everything
+else is real: the ledger's memory, runc cgroups, the enforcer's detection, the victim's
+checkpoint (marker) and kill, and the survivor continued once its request fits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
+from gpuwatch.sim import node as simnode
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+
+pytestmark = [pytest.mark.root, pytest.mark.runc]
+MIB, GIB = 1024**2, 1024**3
+
+POLICY = """
+deadlock: {enabled: true, action: checkpoint-then-kill, signal: SIGUSR1, grace: 10s, blocked_window: 30s}
+rules:
+  - name: low
+    priority: 1
+    match: {namespace: ml, pod: low-*}
+  - name: high
+    priority: 9
+    match: {namespace: ml, pod: high-*}
+"""
+
+
+@pytest.fixture
+def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
+    state_dir = tmp_path / "shm"
+    state_dir.mkdir()
+    node = simnode.up(
+        devices=1,
+        memory_bytes=5 * GIB,
+        name=f"dl{os.getpid()}",
+        state_path=state_dir / "state",
+        root=tmp_path / "simroot",
+    )
+    try:
+        yield node
+    finally:
+        simnode.down(node.name, state_path=node.state_path)
+
+
+def start(lab: ContainerLab, sim: simnode.SimNode, markers: Path, pod: str) -> RunningContainer:
+    spec = ContainerSpec(
+        name="worker",
+        namespace="ml",
+        pod=pod,
+        argv=[
+            sys.executable,
+            "-m",
+            "gpuwatch",
+            "sim",
+            "run",
+            "--mib-per-step",
+            "2048",
+            "--steps",
+            "1",
+            "--duty",
+            "0.3",
+            "--kernel-ms",
+            "5",
+            "--checkpoint-marker",
+            str(markers / pod),
+        ],
+        env=simnode.sim_env(sim),
+        extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
+        ro_binds=[str(sim.libraries.lib_dir)],
+    )
+    container = lab.run(spec)
+    deadline = time.monotonic() + 15
+    while "ready" not in container.logs() and container.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "ready" in container.logs(), container.logs()
+    return container
+
+
+def identity_of(c: RunningContainer) -> ContainerIdentity:
+    return ContainerIdentity(
+        runtime="k8s",
+        cgroup_path=c.cgroup_path,
+        container_id=c.id,
+        container_name=c.name,
+        pod_name=c.pod or "",
+        pod_namespace=c.namespace,
+    )
+
+
+def ledger_snapshot(sim: simnode.SimNode, containers: list[RunningContainer]) -> Snapshot:
+    state = simnode.status(sim)
+    device = state.devices[0]
+    rows = []
+    for c in containers:
+        pids = set(c.pids())
+        memory = sum(p.memory_bytes for p in state.processes if p.host_pid in pids)
+        if pids:
+            rows.append(ContainerUsage(identity_of(c), 0, "GPU-0", memory, 0.0, 0.0))
+    info = DeviceInfo(
+        0,
+        "GPU-0",
+        "sim",
+        None,
+        device.memory_total_bytes,
+        device.memory_used_bytes,
+        device.memory_total_bytes - device.memory_used_bytes,
+        simulated=True,
+    )
+    return Snapshot(timestamp_s=time.time(), node="sim", devices=(info,), containers=tuple(rows), simulated=True)
+
+
+def stopped(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("State:"):
+            return line.split()[1] == "T"
+    return False
+
+
+def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Path) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
+        low, high = start(lab, sim, markers, "low-0"), start(lab, sim, markers, "high-0")
+        enforcer = Enforcer(
+            tmp_path / "policy.yaml",
+            audit=AuditLog(tmp_path / "audit.jsonl"),
+            frozen_state_path=tmp_path / "frozen.json",
+            own_cgroups=frozenset(),
+        )
+        try:
+            # Each asks for 2 GiB more with 1 GiB free: the probe stops both at the allocation.
+            events = []
+            for c in (low, high):
+                for pid in c.pids():
+                    os.kill(pid, signal.SIGSTOP)
+                events.append(
+                    ProbeEvent(
+                        ProbeEventKind.STOPPED_AT_ALLOCATION,
+                        time.time(),
+                        c.host_pid,
+                        0,
+                        2 * GIB,
+                        cgroup_path=c.cgroup_path,
+                    )
+                )
+            first = ledger_snapshot(sim, [low, high])
+            assert first.devices[0].memory_free_bytes == GIB
+            decisions = enforcer.on_snapshot(first, events)
+            assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("checkpoint-then-kill", "low-0")]
+            assert enforcer.last_result is not None and enforcer.last_result.deadlocks_detected == 1
+            assert enforcer.actions.checkpoint.wait(15)
+            assert low.wait(5) is not None
+            assert (markers / "low-0").exists(), "the victim checkpointed before it ended"
+            # The victim's 2 GiB are back: the survivor's stopped allocation now fits.
+            deadline = time.monotonic() + 5
+            while simnode.status(sim).devices[0].memory_used_bytes > 2 * GIB and time.monotonic() < deadline:
+                time.sleep(0.05)
+            decisions = enforcer.on_snapshot(ledger_snapshot(sim, [high]), events)
+            assert [(d.verb.value, d.target.pod_name, d.continue_stopped) for d in decisions] == [
+                ("release", "high-0", True)
+            ]
+            assert enforcer.last_result is not None and enforcer.last_result.deadlocks_resolved == 1
+            time.sleep(0.2)
+            assert high.running() and not any(stopped(pid) for pid in high.pids())
+        finally:
+            enforcer.close()
+    records = read_audit(tmp_path / "audit.jsonl")
+    assert [(r["action"], r["result"], r["scope"]) for r in records] == [
+        ("checkpoint-then-kill", "started", "deadlock"),
+        ("checkpoint-then-kill", "ok", "deadlock"),
+        ("release", "ok", "deadlock"),
+    ]
