@@ -30,6 +30,8 @@ HEADERS_FALLBACK = Path("/opt/gpuwatch/kernel-headers/current")
 
 TRACEPOINT = "tracepoint"
 UPROBE = "uprobe"
+UPROBE_MULTI_ATTACH = 48  # BPF_TRACE_UPROBE_MULTI
+MULTI_SUFFIX = "@multi"  # progs key of the uprobe_multi variant of a uprobe program
 
 # program name -> BCC program type, per group
 PROGRAMS: dict[str, dict[str, str]] = {
@@ -80,6 +82,7 @@ class LoadedObjects:
     maps: dict[str, int] = field(default_factory=dict)
     progs: dict[str, int] = field(default_factory=dict)
     compile_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         for fd in [*self.maps.values(), *self.progs.values()]:
@@ -140,7 +143,7 @@ def load_programs(request: LoadRequest, timeout_s: float = 120.0) -> LoadedObjec
             os.close(fd)
         detail = f" ({tail})" if tail else ""
         raise ProbesUnavailable(f"BPF probes off: {reply['error']}{detail}", fix=reply.get("fix", ""))
-    objs = LoadedObjects(compile_s=time.monotonic() - started)
+    objs = LoadedObjects(compile_s=time.monotonic() - started, notes=list(reply.get("notes", [])))
     for name, idx in reply["maps"].items():
         objs.maps[name] = fds[idx]
     for name, idx in reply["progs"].items():
@@ -168,6 +171,7 @@ def _child_main(sock_fd: int) -> int:
         fds: list[int] = []
         maps: dict[str, int] = {}
         progs: dict[str, int] = {}
+        notes: list[str] = []
         names = list(MAPS_CORE)
         if request.launch_uprobes:
             names.append("gw_launches")
@@ -176,6 +180,14 @@ def _child_main(sock_fd: int) -> int:
             fds.append(prog.get_table(name).map_fd)
         for group in request.groups():
             for fn, kind in PROGRAMS[group].items():
+                if kind == UPROBE:  # also as a uprobe_multi program, where the kernel has them
+                    try:
+                        multi = prog.load_func(fn.encode(), bcc.BPF.KPROBE, attach_type=UPROBE_MULTI_ATTACH)
+                        progs[fn + MULTI_SUFFIX] = len(fds)
+                        fds.append(multi.fd)
+                        del prog.funcs[fn.encode()]  # BCC caches by name; load the perf variant too
+                    except Exception as err:  # BCC raises bare Exception; perf uprobes still work
+                        notes.append(f"{fn}: no uprobe_multi variant ({err}); perf uprobes only")
                 ptype = bcc.BPF.TRACEPOINT if kind == TRACEPOINT else bcc.BPF.KPROBE
                 progs[fn] = len(fds)
                 fds.append(prog.load_func(fn.encode(), ptype).fd)
@@ -184,7 +196,7 @@ def _child_main(sock_fd: int) -> int:
                                  "fix": "see the verifier/compiler output above; run `gpuwatch doctor`"}
                                 ).encode())
         return 1
-    socket.send_fds(sock, [json.dumps({"maps": maps, "progs": progs}).encode()], fds)
+    socket.send_fds(sock, [json.dumps({"maps": maps, "progs": progs, "notes": notes}).encode()], fds)
     sock.close()
     return 0
 

@@ -74,6 +74,7 @@ class ProbeConfig:
     launch_uprobes: bool = False  # opt-in: a uprobe per launch costs 0.2-17 us per call
     pin_dir: str | None = None  # pin the maps here (bpffs): counters survive an agent restart
     verbose_events: bool = False  # per open/alloc/free events: `gpuwatch trace` only
+    uprobe_multi: bool = True  # one BPF link per program and file where the kernel allows
     max_rm_allocs: int = 65536
     max_cuda_allocs: int = 65536
     sweep_interval_s: float = 5.0
@@ -142,6 +143,7 @@ class ProbeManager:
                                          max_rm_allocs=cfg.max_rm_allocs,
                                          max_cuda_allocs=cfg.max_cuda_allocs)
         self._objs = bcc_loader.load_programs(request)
+        self.notes.extend(self._objs.notes)
         self.load_s = time.monotonic() - t0
         atexit.register(self.stop)
         try:
@@ -236,12 +238,7 @@ class ProbeManager:
                 continue
             att = _Attachment(library=lib, symbols=tuple(sorted(offsets)))
             try:
-                for sym, offset in offsets.items():
-                    prog, with_ret = table[sym]
-                    att.fds.append(bpfsys.attach_uprobe(self._objs.progs[prog], lib.path, offset))
-                    if with_ret:
-                        att.fds.append(bpfsys.attach_uprobe(self._objs.progs[ALLOC_RET_PROG], lib.path,
-                                                            offset, retprobe=True))
+                self._attach_library(att, table, offsets)
             except OSError as err:
                 _close_all(att.fds)
                 self.notes.append(f"libcuda {lib.path}: uprobe refused ({err})")
@@ -249,6 +246,29 @@ class ProbeManager:
             self._libs[lib.inode_key] = att
             added += 1
         return added
+
+    def _attach_library(self, att: _Attachment, table: dict[str, tuple[str, bool]],
+                        offsets: dict[str, int]) -> None:
+        """One uprobe_multi link per (program, entry/return) for this file when the kernel
+        has them (attach and detach in ms), else one perf uprobe per symbol."""
+        assert self._objs is not None
+        progs = self._objs.progs
+        wanted: dict[tuple[str, bool], list[int]] = {}
+        for sym, offset in offsets.items():
+            prog, with_ret = table[sym]
+            wanted.setdefault((prog, False), []).append(offset)
+            if with_ret:
+                wanted.setdefault((ALLOC_RET_PROG, True), []).append(offset)
+        path = att.library.path
+        for (prog, ret), offs in wanted.items():
+            multi = progs.get(prog + bcc_loader.MULTI_SUFFIX) if self.config.uprobe_multi else None
+            if multi is not None:
+                try:
+                    att.fds.append(bpfsys.attach_uprobe_multi(multi, path, offs, retprobe=ret))
+                    continue
+                except OSError as err:
+                    self.notes.append(f"uprobe_multi refused for {path} ({err}); using perf uprobes")
+            att.fds.extend(bpfsys.attach_uprobe(progs[prog], path, off, retprobe=ret) for off in offs)
 
     def attached_libraries(self) -> tuple[LibraryCopy, ...]:
         return tuple(att.library for att in self._libs.values())

@@ -344,12 +344,19 @@ def test_100k_leaked_allocations_stay_within_the_bound_and_overflow_is_counted(
     assert manager.live_entries()["gw_rm"] == 0
 
 
-def test_stop_leaves_nothing_attached(lab: Lab) -> None:
-    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),)))
+def test_perf_uprobes_count_and_stop_leaves_nothing_attached(lab: Lab) -> None:
+    # the fallback for kernels without uprobe_multi links: one perf uprobe per symbol
+    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), uprobe_multi=False))
     pm.start()
     ids = pm.prog_ids()
     assert ids and all(bpfsys.prog_exists(i) for i in ids)
     assert pm.attached_libraries()
+    cg, cg_id = lab.cgroup("perf-uprobes")
+    w = lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "4096", "4", "cufree", "1", "pause")
+    w.wait_ready()
+    c = counters_for(pm, cg_id)
+    assert (c.cuda_allocated_bytes, c.cuda_allocations_total, c.cuda_frees_total) == (3 * 4096, 4, 1)
+    w.kill()
     pm.stop()
     pm.stop()  # idempotent
     wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids), timeout_s=30.0)
