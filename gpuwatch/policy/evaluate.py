@@ -466,9 +466,18 @@ def _memory_arbitration(
                         f"GPU {gpu} deadlock resolved; resuming the paused victim",
                     )
                 )
-        # A process stopped at allocation continues once its request fits.
-        for c in contenders:
-            if c.gpu_index != gpu or c.key in fair_paused:
+        # Fair share first: who waits (paused) and who may grow, highest priority first.
+        capacity = _capacity(snapshot, gpu)
+        pause_keys: tuple[str, ...] = ()
+        resume_keys: tuple[str, ...] = ()
+        if run.policy.fair_share.enabled and capacity:
+            plan = plan_fair_share(gpu, capacity, contenders, fair_paused)
+            if plan.oversubscribed:
+                effective.update(dict(plan.effective_limits))
+            pause_keys, resume_keys = plan.pause, plan.resume
+        # A process stopped at allocation continues once its request fits (priority order).
+        for c in sorted(contenders, key=lambda c: (-c.priority, c.requested_bytes, c.key)):
+            if c.gpu_index != gpu:
                 continue
             stops = [
                 e
@@ -478,7 +487,13 @@ def _memory_arbitration(
             if not stops:
                 continue
             last = max(e.timestamp_s for e in stops)
-            if continued.get(c.key, -1.0) >= last or c.requested_bytes > free or deadlocks.get(gpu) == c.key:
+            if continued.get(c.key, -1.0) >= last or deadlocks.get(gpu) == c.key:
+                continue
+            if c.key in resume_keys:
+                continued[c.key] = last  # the fair-share resume below continues it
+                free -= c.requested_bytes
+                continue
+            if c.key in fair_paused or c.key in pause_keys or c.requested_bytes > free:
                 continue
             continued[c.key] = last
             free -= c.requested_bytes
@@ -492,35 +507,30 @@ def _memory_arbitration(
                     continue_stopped=True,
                 )
             )
-        capacity = _capacity(snapshot, gpu)
-        if run.policy.fair_share.enabled and capacity:
-            plan = plan_fair_share(gpu, capacity, contenders, fair_paused)
-            if plan.oversubscribed:
-                effective.update(dict(plan.effective_limits))
-            for key in plan.pause:
-                decision = run.emit(
-                    Decision(
-                        Verb.PAUSE,
-                        by_key[key].identity,
-                        "fair-share",
-                        "fair_share",
-                        f"GPU {gpu} memory oversubscribed; lower priority waits",
-                    )
+        for key in pause_keys:
+            decision = run.emit(
+                Decision(
+                    Verb.PAUSE,
+                    by_key[key].identity,
+                    "fair-share",
+                    "fair_share",
+                    f"GPU {gpu} memory oversubscribed; lower priority waits",
                 )
-                if not decision.suppressed:
-                    fair_paused.add(key)
-            for key in plan.resume:
-                run.emit(
-                    Decision(
-                        Verb.RELEASE,
-                        by_key[key].identity,
-                        "fair-share",
-                        "fair_share",
-                        f"GPU {gpu} has room again; resuming in priority order",
-                        continue_stopped=True,
-                    )
+            )
+            if not decision.suppressed:
+                fair_paused.add(key)
+        for key in resume_keys:
+            run.emit(
+                Decision(
+                    Verb.RELEASE,
+                    by_key[key].identity,
+                    "fair-share",
+                    "fair_share",
+                    f"GPU {gpu} has room again; resuming in priority order",
+                    continue_stopped=True,
                 )
-                fair_paused.discard(key)
+            )
+            fair_paused.discard(key)
     return detected, resolved, effective, deadlocks, frozenset(fair_paused), continued
 
 

@@ -185,3 +185,62 @@ def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Pa
         ("checkpoint-then-kill", "ok", "deadlock"),
         ("release", "ok", "deadlock"),
     ]
+
+
+def frozen(c: RunningContainer) -> bool:
+    return (c.v2_dir / "cgroup.freeze").read_text().strip() == "1"
+
+
+def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp_path: Path) -> None:
+    """8 GiB GPU, both hold 2 GiB and want 3 GiB more (10 > 8): the high-priority one
+    continues, the low one waits paused; when the high one ends, the low one resumes."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    simnode.down(sim.name, state_path=sim.state_path)
+    node = simnode.up(devices=1, memory_bytes=8 * GIB, name=sim.name, state_path=sim.state_path, root=sim.root)
+    (tmp_path / "policy.yaml").write_text("fair_share: {enabled: true}\n" + POLICY)
+    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
+        low, high = start(lab, node, markers, "low-0"), start(lab, node, markers, "high-0")
+        enforcer = Enforcer(
+            tmp_path / "policy.yaml",
+            audit=AuditLog(tmp_path / "audit.jsonl"),
+            frozen_state_path=tmp_path / "frozen.json",
+            own_cgroups=frozenset(),
+        )
+        try:
+            events = []
+            for c in (low, high):
+                for pid in c.pids():
+                    os.kill(pid, signal.SIGSTOP)
+                events.append(
+                    ProbeEvent(
+                        ProbeEventKind.STOPPED_AT_ALLOCATION,
+                        time.time(),
+                        c.host_pid,
+                        0,
+                        3 * GIB,
+                        cgroup_path=c.cgroup_path,
+                    )
+                )
+            decisions = enforcer.on_snapshot(ledger_snapshot(node, [low, high]), events)
+            assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "high-0"), ("pause", "low-0")]
+            limits = enforcer.last_result.effective_limits_bytes if enforcer.last_result else {}
+            assert limits[high.id] > limits[low.id] and sum(limits.values()) <= 8 * GIB
+            time.sleep(0.2)
+            assert not any(stopped(pid) for pid in high.pids()) and frozen(low)
+            high.stop()
+            deadline = time.monotonic() + 5
+            while simnode.status(node).devices[0].memory_used_bytes > 2 * GIB and time.monotonic() < deadline:
+                time.sleep(0.05)
+            decisions = enforcer.on_snapshot(ledger_snapshot(node, [low]), events)
+            assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "low-0")]
+            time.sleep(0.2)
+            assert not frozen(low) and not any(stopped(pid) for pid in low.pids()) and low.running()
+        finally:
+            enforcer.close()
+    records = read_audit(tmp_path / "audit.jsonl")
+    assert [(r["action"], r["scope"]) for r in records] == [
+        ("release", "deadlock"),
+        ("pause", "fair_share"),
+        ("release", "fair_share"),
+    ]

@@ -505,3 +505,23 @@ def test_removed_quota_releases_its_paused_victims() -> None:
     d.policy = policy(QUOTA.split("namespace_quotas:")[0])
     result = d.step(snap(1.0, usage(hi, 6 * GIB), usage(lo, 6 * GIB)))
     assert [(x.verb, x.target.container_name) for x in result.decisions] == [(Verb.RELEASE, "lo")]
+
+
+def test_stopped_allocations_continue_in_priority_order_and_fair_share_pauses_the_rest() -> None:
+    hi, lo = ident("hi", priority_label="high"), ident("lo", priority_label="low")
+    events = [
+        oom(lo, 9.0, 3 * GIB, ProbeEventKind.STOPPED_AT_ALLOCATION),
+        oom(hi, 9.0, 3 * GIB, ProbeEventKind.STOPPED_AT_ALLOCATION),
+    ]
+    rows = (usage(lo, 2 * GIB), usage(hi, 2 * GIB))
+    plain = Driver(policy(DEADLOCK)).step(snap(10.0, *rows, total=8 * GIB, free=4 * GIB), events)
+    assert [(x.verb, x.target.container_name) for x in plain.decisions] == [(Verb.RELEASE, "hi")]
+    fair = Driver(policy("fair_share: {enabled: true}\n" + DEADLOCK))
+    result = fair.step(snap(10.0, *rows, total=8 * GIB, free=4 * GIB), events)
+    assert [(x.verb, x.target.container_name) for x in result.decisions] == [(Verb.RELEASE, "hi"), (Verb.PAUSE, "lo")]
+    # hi finished and freed its memory: lo is resumed (thaw + continue), once.
+    later = fair.step(snap(20.0, usage(lo, 2 * GIB), total=8 * GIB, free=6 * GIB), events)
+    assert [(x.verb, x.target.container_name, x.continue_stopped) for x in later.decisions] == [
+        (Verb.RELEASE, "lo", True)
+    ]
+    assert fair.step(snap(21.0, usage(lo, 2 * GIB), total=8 * GIB, free=6 * GIB), events).decisions == ()
