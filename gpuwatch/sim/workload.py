@@ -244,6 +244,14 @@ class Workload:
         return False
 
     def run(self) -> int:
+        """Run the workload; its progress file is removed when it exits on its own."""
+        try:
+            return self._run()
+        finally:
+            if self.spec.progress_file is not None:
+                self.spec.progress_file.unlink(missing_ok=True)
+
+    def _run(self) -> int:
         spec = self.spec
         signal.signal(spec.checkpoint_signal, self._on_checkpoint)
         self._deadline = time.monotonic() + spec.lifetime_s if spec.lifetime_s > 0 else None

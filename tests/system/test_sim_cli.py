@@ -85,6 +85,7 @@ def test_hold_pattern_reports_progress_and_checkpoints_on_signal(tmp_path: Path)
         checkpoint = w.wait_line(proc, "checkpoint")
         assert int(marker.read_text()) == int(checkpoint[1]) >= second
         assert status(node).processes == ()
+        assert not progress_file.exists()  # removed on a clean exit
 
 
 def test_leak_pattern_runs_into_oom(tmp_path: Path) -> None:
