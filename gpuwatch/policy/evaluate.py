@@ -420,6 +420,7 @@ def _memory_arbitration(
     views: Sequence[ContainerView],
     priorities: Mapping[str, int],
     events: Sequence[ProbeEvent],
+    limits_by_key: Mapping[str, int],
 ) -> tuple[int, int, dict[str, int], dict[int, str], frozenset[str], dict[str, float]]:
     """Deadlock breaking, stopped-at-allocation continuation and fair share."""
     settings = run.policy.deadlock
@@ -495,6 +496,9 @@ def _memory_arbitration(
                 continue
             if c.key in fair_paused or c.key in pause_keys or c.requested_bytes > free:
                 continue
+            own_limit = limits_by_key.get(c.key)
+            if own_limit is not None and by_key[c.key].memory_bytes + c.requested_bytes > own_limit:
+                continue  # over its own limit: the rule's ladder decides (pause/checkpoint/kill)
             continued[c.key] = last
             free -= c.requested_bytes
             run.emit(
@@ -569,6 +573,18 @@ def evaluate(
     priorities: dict[str, int] = {}
     shares: dict[str, float] = {}
     quota_members: dict[tuple[int, str], list[tuple[ContainerView, int, Measured]]] = {}
+    # Allocations the kernel stopped (and we have not continued) count as memory demand.
+    pending: dict[str, int] = {}
+    for key, found in _events_by_key(views, probe_events, t - policy.deadlock.blocked_window_s).items():
+        stops = [
+            e
+            for e in found
+            if e.kind is ProbeEventKind.STOPPED_AT_ALLOCATION
+            and e.timestamp_s > state.continued_events_s.get(key, -1.0)
+        ]
+        if stops:
+            pending[key] = max(e.requested_bytes for e in stops)
+    limits_by_key: dict[str, int] = {}
     for view in views:
         key = view.identity.key
         identities[key] = view.identity
@@ -582,8 +598,10 @@ def evaluate(
         priorities[key] = rule.priority if rule is not None else 0
         if rule is not None:
             rules_by_target[key] = rule.name
-            measured = measure(view, rule.limits, share, snapshot.devices)
+            measured = measure(view, rule.limits, share, snapshot.devices, pending.get(key, 0))
             measurements[key] = measured
+            if measured.memory_limit_bytes is not None:
+                limits_by_key[key] = measured.memory_limit_bytes
             if rule.actions:
                 _apply_container_rule(run, view, rule, measured)
         if is_host_root(view.identity):
@@ -596,7 +614,7 @@ def evaluate(
     for (index, ns), members in quota_members.items():
         _apply_quota(run, policy.namespace_quotas[index], ns, members, shares)
     detected, resolved, effective, deadlocks, fair_paused, continued = _memory_arbitration(
-        run, snapshot, views, priorities, probe_events
+        run, snapshot, views, priorities, probe_events, limits_by_key
     )
     present = {v.identity.key for v in views}
     # Throttles/pauses whose rule or quota no longer applies (policy reloaded, exemption,

@@ -68,6 +68,7 @@ class Measured:
     processes: int
     devices: tuple[int, ...]
     ratios: tuple[tuple[LimitKind, float | None], ...]
+    pending_bytes: int = 0
 
     def ratio(self, kinds: Sequence[LimitKind] = ()) -> float | None:
         """Worst ratio over `kinds` (all the rule's limits when empty); None if none known."""
@@ -84,6 +85,8 @@ class Measured:
             ("gpu_time_share", round(self.gpu_time_share, 4)),
             ("processes", float(self.processes)),
         ]
+        if self.pending_bytes:
+            pairs.append(("pending_allocation_bytes", float(self.pending_bytes)))
         if self.memory_limit_bytes is not None:
             pairs.append(("memory_limit_bytes", float(self.memory_limit_bytes)))
         if self.gpu_time_limit is not None:
@@ -92,8 +95,15 @@ class Measured:
         return tuple(pairs)
 
 
-def measure(view: ContainerView, limits: Limits, gpu_time_share: float, devices: Sequence[DeviceInfo]) -> Measured:
-    """Compare one container's usage with `limits`."""
+def measure(
+    view: ContainerView,
+    limits: Limits,
+    gpu_time_share: float,
+    devices: Sequence[DeviceInfo],
+    pending_bytes: int = 0,
+) -> Measured:
+    """Compare one container's usage with `limits`. `pending_bytes` (an allocation the
+    kernel stopped before it happened) counts as memory demand."""
     totals = {d.index: d.memory_total_bytes for d in devices}
     ratios: list[tuple[LimitKind, float | None]] = []
     memory_limit: int | None = None
@@ -101,13 +111,13 @@ def measure(view: ContainerView, limits: Limits, gpu_time_share: float, devices:
         amount = limits.gpu_memory
         if amount.bytes is not None:
             memory_limit = amount.bytes
-            ratios.append((LimitKind.GPU_MEMORY, view.memory_bytes / amount.bytes))
+            ratios.append((LimitKind.GPU_MEMORY, (view.memory_bytes + pending_bytes) / amount.bytes))
         else:
             per_gpu: list[float] = []
             for row in view.rows:
                 limit = amount.resolve_bytes(totals.get(row.gpu_index))
                 if limit:
-                    per_gpu.append(row.memory_bytes / limit)
+                    per_gpu.append((row.memory_bytes + pending_bytes) / limit)
                     memory_limit = limit if memory_limit is None else min(memory_limit, limit)
             ratios.append((LimitKind.GPU_MEMORY, max(per_gpu) if per_gpu else None))
     if limits.gpu_time_share is not None:
@@ -120,6 +130,7 @@ def measure(view: ContainerView, limits: Limits, gpu_time_share: float, devices:
         ratios.append((LimitKind.PROCESSES, view.process_count / limits.max_processes))
     return Measured(
         memory_bytes=view.memory_bytes,
+        pending_bytes=pending_bytes,
         memory_limit_bytes=memory_limit,
         gpu_time_share=gpu_time_share,
         gpu_time_limit=limits.gpu_time_share,

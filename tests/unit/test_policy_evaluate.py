@@ -525,3 +525,21 @@ def test_stopped_allocations_continue_in_priority_order_and_fair_share_pauses_th
         (Verb.RELEASE, "lo", True)
     ]
     assert fair.step(snap(21.0, usage(lo, 2 * GIB), total=8 * GIB, free=6 * GIB), events).decisions == ()
+
+
+def test_allocation_stopped_over_own_limit_is_not_continued_and_counts_as_demand() -> None:
+    pol = policy("""
+rules:
+  - name: capped
+    match: {namespace: ml}
+    limits: {gpu_memory: 3GiB}
+    actions: [{do: checkpoint-then-kill, at: 100%, grace: 5s}]
+""")
+    d = Driver(pol)
+    a = ident("a")
+    ev = [oom(a, 9.0, 2 * GIB, ProbeEventKind.STOPPED_AT_ALLOCATION)]
+    result = d.step(snap(10.0, usage(a, 2 * GIB), total=16 * GIB, free=14 * GIB), ev)
+    assert [x.verb for x in result.decisions] == [Verb.CHECKPOINT_KILL]  # 2 held + 2 stopped > 3
+    assert dict(result.decisions[0].measured)["pending_allocation_bytes"] == 2 * GIB
+    within = Driver(pol).step(snap(10.0, usage(a, GIB // 2), total=16 * GIB, free=14 * GIB), ev)
+    assert [(x.verb, x.continue_stopped) for x in within.decisions] == [(Verb.RELEASE, True)]
