@@ -12,6 +12,8 @@ Then, in one run, it reports:
   tracked device fd, the same ioctl on an untracked fd, and getppid (any other syscall) --
   with no probe, with the LD_PRELOAD interposer, and with the probes attached (alloc group,
   opt-in launch group, ioctl group), plus the added cost and the ratio to the interposer;
+* the same syscalls with only the uprobe groups attached (ioctl group off: no syscall
+  tracepoint, so no cost on syscalls);
 * load (BCC compile in the child) and attach time;
 * agent CPU reading the maps once per second while a workload does 10k allocations/s and,
   separately, 100k ioctls/s (the in-kernel cost is in the per-call numbers);
@@ -176,6 +178,19 @@ def main() -> int:
             cpu_ioctl = agent_cpu(pm, paths, "ioctl", 100000, opts.seconds, prefix)
         finally:
             pm.stop()
+        # the ioctl group is the only one on syscall tracepoints: without it, syscalls pay nothing
+        uprobes_only = ProbeManager(ProbeConfig(device_prefix=prefix, libcuda_paths=(str(paths["lib_fp"]),),
+                                                ioctl=False))
+        uprobes_only.start()
+        try:
+            no_ioctl_group = {"getppid": calls_ns(paths["calls"], paths["lib_fp"], "getppid", opts.calls, prefix),
+                              "ioctl_untracked_fd": calls_ns(paths["calls"], paths["lib_fp"], "ioctl_untracked",
+                                                             opts.calls, prefix)}
+        finally:
+            uprobes_only.stop()
+        result["syscalls_with_ioctl_group_off"] = {
+            k: {"no_probe_ns": round(base[k], 1), "probed_ns": round(v, 1), "added_ns": round(v - base[k], 1)}
+            for k, v in no_ioctl_group.items()}
         per_call = {}
         for key, b in base.items():
             row = {"no_probe_ns": round(b, 1), "probed_ns": round(probed[key], 1),
@@ -202,6 +217,7 @@ def main() -> int:
             print(f"{key:<32}{row['no_probe_ns']:>10}{row['probed_ns']:>10}{row['added_ns']:>10}"
                   f"{row['ratio_to_no_probe']:>8}{row.get('ld_preload_added_ns', ''):>10}"
                   f"{row.get('probe_added_over_preload_added', ''):>16}")
+        print(f"syscalls with only uprobes attached (ioctl group off): {result['syscalls_with_ioctl_group_off']}")
         print(f"load/attach: {result['load_attach']}")
         print(f"agent CPU: {json.dumps(result['agent_cpu'])}")
         print(f"agent RSS with probes (KiB): {agent}; BCC in-process: {result['bcc_in_process_rss_kib']}")

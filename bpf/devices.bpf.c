@@ -5,6 +5,7 @@
  * releases the memory allocated through that fd (the driver frees a client's objects when
  * its fd is closed) and forgets the fd. */
 
+#if GW_IOCTL
 static __always_inline int gw_classify(const char *buf, u32 len, u32 *minor)
 {
     char s[4] = {};
@@ -116,3 +117,4 @@ int gw_enter_close(struct gw_sys_enter_args *ctx)
     gw_fds.delete(&k);
     return 0;
 }
+#endif /* GW_IOCTL */

@@ -35,10 +35,12 @@ MULTI_SUFFIX = "@multi"  # progs key of the uprobe_multi variant of a uprobe pro
 
 # program name -> BCC program type, per group
 PROGRAMS: dict[str, dict[str, str]] = {
-    "core": {"gw_enter_openat": TRACEPOINT, "gw_exit_openat": TRACEPOINT,
-             "gw_enter_close": TRACEPOINT, "gw_sched_exit": TRACEPOINT,
-             "gw_sched_exec": TRACEPOINT},
-    "ioctl": {"gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT},
+    # sched tracepoints only: no cost on syscalls
+    "core": {"gw_sched_exit": TRACEPOINT, "gw_sched_exec": TRACEPOINT},
+    # syscall tracepoints: while any is attached, every syscall takes the kernel's slower
+    # traced path, so device-fd tracking is part of this (switchable) group
+    "ioctl": {"gw_enter_openat": TRACEPOINT, "gw_exit_openat": TRACEPOINT,
+              "gw_enter_close": TRACEPOINT, "gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT},
     "alloc": {"gw_cu_alloc": UPROBE, "gw_cu_alloc_pitch": UPROBE, "gw_cu_create": UPROBE,
               "gw_cu_alloc_ret": UPROBE, "gw_cu_free": UPROBE},
     "launch": {"gw_cu_launch": UPROBE, "gw_cu_graph_launch": UPROBE},

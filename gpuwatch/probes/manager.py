@@ -51,11 +51,11 @@ ALLOC_RET_PROG = "gw_cu_alloc_ret"
 
 # (program, tracepoint category, tracepoint name, group)
 TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
-    ("gw_enter_openat", "syscalls", "sys_enter_openat", "core"),
-    ("gw_exit_openat", "syscalls", "sys_exit_openat", "core"),
-    ("gw_enter_close", "syscalls", "sys_enter_close", "core"),
     ("gw_sched_exit", "sched", "sched_process_exit", "core"),
     ("gw_sched_exec", "sched", "sched_process_exec", "core"),
+    ("gw_enter_openat", "syscalls", "sys_enter_openat", "ioctl"),
+    ("gw_exit_openat", "syscalls", "sys_exit_openat", "ioctl"),
+    ("gw_enter_close", "syscalls", "sys_enter_close", "ioctl"),
     ("gw_enter_ioctl", "syscalls", "sys_enter_ioctl", "ioctl"),
     ("gw_exit_ioctl", "syscalls", "sys_exit_ioctl", "ioctl"),
 )
@@ -69,7 +69,7 @@ class ProbeConfig:
 
     device_prefix: str = "/dev/nvidia"
     libcuda_paths: tuple[str, ...] = ()  # () = auto (ld cache + process maps + container roots)
-    ioctl: bool = True
+    ioctl: bool = True  # device fds + ioctls (syscall tracepoints: a cost on every syscall)
     alloc_uprobes: bool = True
     launch_uprobes: bool = False  # opt-in: a uprobe per launch costs 0.2-17 us per call
     pin_dir: str | None = None  # pin the maps here (bpffs): counters survive an agent restart

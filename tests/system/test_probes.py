@@ -345,8 +345,10 @@ def test_100k_leaked_allocations_stay_within_the_bound_and_overflow_is_counted(
 
 
 def test_perf_uprobes_count_and_stop_leaves_nothing_attached(lab: Lab) -> None:
-    # the fallback for kernels without uprobe_multi links: one perf uprobe per symbol
-    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), uprobe_multi=False))
+    # the fallback for kernels without uprobe_multi links: one perf uprobe per symbol; and
+    # the mode without any syscall tracepoint (ioctl group off): CUDA accounting still works
+    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), uprobe_multi=False,
+                                  ioctl=False))
     pm.start()
     ids = pm.prog_ids()
     assert ids and all(bpfsys.prog_exists(i) for i in ids)
@@ -356,7 +358,9 @@ def test_perf_uprobes_count_and_stop_leaves_nothing_attached(lab: Lab) -> None:
     w.wait_ready()
     c = counters_for(pm, cg_id)
     assert (c.cuda_allocated_bytes, c.cuda_allocations_total, c.cuda_frees_total) == (3 * 4096, 4, 1)
+    assert c.ioctl_calls_by_op == ()
     w.kill()
+    wait_for(lambda: counters_for(pm, cg_id).cuda_allocated_bytes == 0)
     pm.stop()
     pm.stop()  # idempotent
     wait_for(lambda: not any(bpfsys.prog_exists(i) for i in ids), timeout_s=30.0)
