@@ -149,14 +149,24 @@ def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path,
         watch = LedgerWatch(sim)
         try:
             pod = run_pod(lab, sim, markers)
-            enforcer.on_snapshot(ledger_snapshot(sim, pod), pm.poll_events(0))  # pushes the limit
+            seen = pm.poll_events(0)
+            enforcer.on_snapshot(ledger_snapshot(sim, pod), seen)  # pushes the limit
             deadline = time.monotonic() + 15
             decisions = []
             while pod.running() and time.monotonic() < deadline and not decisions:
                 time.sleep(0.1)
-                decisions = enforcer.on_snapshot(ledger_snapshot(sim, pod), pm.poll_events(0))
+                events = pm.poll_events(0)
+                seen += events
+                decisions = enforcer.on_snapshot(ledger_snapshot(sim, pod), events)
             if kernel_action == "kill":
                 assert pod.wait(5) == 128 + signal.SIGKILL, pod.logs()
+                seen += pm.poll_events(200)
+                over = [e.ts_ns for e in seen if e.type == "over_limit"]
+                killed = [e.ts_ns for e in seen if e.type == "kill"]
+                exited = [e.ts_ns for e in seen if e.type == "process_exit" and over and e.ts_ns > over[0]]
+                assert over and killed
+                print(f"\nin-kernel path: over-limit call -> SIGKILL sent {(killed[0] - over[0]) / 1e3:.1f} us"
+                      + (f", -> process exit {(exited[0] - over[0]) / 1e3:.0f} us" if exited else ""))
             else:
                 # Stopped before the 3rd allocation; the policy then checkpoints and kills it.
                 assert [d.verb.value for d in decisions] == ["checkpoint-then-kill"], pod.logs()
