@@ -33,7 +33,7 @@ from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
 from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree, own_cgroup_paths
 from gpuwatch.enforce.control import BusySource, FreezeControl
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
-from gpuwatch.enforce.limitmap import LimitMap, NullLimitMap
+from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
 from gpuwatch.enforce.probe_events import convert_events
 from gpuwatch.enforce.webhook_requests import decide_webhook
@@ -68,6 +68,7 @@ class Enforcer:
         own_cgroups: frozenset[str] | None = None,
         metrics: EnforcerMetrics | None = None,
         limit_map: LimitMap | None = None,
+        device_gate: DeviceGate | None = None,
         busy_source: BusySource | None = None,
         throttle_control_s: float = 0.25,
     ) -> None:
@@ -85,6 +86,8 @@ class Enforcer:
         self.clock = clock
         self.metrics = metrics or EnforcerMetrics()
         self.limit_map: LimitMap = limit_map or NullLimitMap()
+        self.device_gate: DeviceGate = device_gate or NullDeviceGate()
+        self._pushed_devices: dict[int, tuple[int, ...]] = {}
         self.safety = SafetyContext(own_cgroups if own_cgroups is not None else own_cgroup_paths())
         self._owns_audit = audit is None
         self.audit = audit or AuditLog(DEFAULT_AUDIT_PATH)
@@ -240,6 +243,23 @@ class Enforcer:
             if not self.dry_run:
                 self.limit_map.clear(cgroup_id)
         self._pushed_limits = wanted
+        devices: dict[int, tuple[int, ...]] = {}
+        with self._lock:
+            policy = self.policy
+        for key, rule_name in result.rules_by_target.items():
+            identity = self._identities.get(key)
+            rule = next((r for r in policy.rules if r.name == rule_name), None)
+            if identity is None or identity.cgroup_id is None or rule is None or rule.limits.devices is None:
+                continue
+            if not self.safety.unsafe_reason(identity):
+                devices[identity.cgroup_id] = rule.limits.devices
+        if not self.dry_run:
+            for cgroup_id, allowed in devices.items():
+                if self._pushed_devices.get(cgroup_id) != allowed:
+                    self.device_gate.allow_only(cgroup_id, allowed)
+            for cgroup_id in set(self._pushed_devices) - set(devices):
+                self.device_gate.clear(cgroup_id)
+        self._pushed_devices = devices
 
     def _update_view(self, result: EvaluationResult) -> None:
         limits = []

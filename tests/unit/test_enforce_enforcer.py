@@ -225,3 +225,17 @@ def test_audit_is_append_only_jsonl(tmp_path: Path) -> None:
     enforcer.close()
     lines = path.read_text().splitlines()
     assert json.loads(lines[0]) == {"previous": True} and json.loads(lines[1])["action"] == "alert"
+
+
+def test_device_gate_gets_allowed_gpus_and_clears_vanished(tmp_path: Path) -> None:
+    from gpuwatch.enforce.limitmap import NullDeviceGate
+
+    gate = NullDeviceGate()
+    text = ALERT_POLICY.replace("{gpu_memory: 1GiB, gpu_time_share: 50%}", "{devices: [0, 2]}")
+    enforcer = make(tmp_path, text, device_gate=gate)
+    t = time.time()
+    enforcer.on_snapshot(snap((who("a", 7), GIB), t=t - 0.5))
+    assert gate.allowed == {7: (0, 2)}
+    enforcer.on_snapshot(snap(t=t))
+    assert gate.allowed == {}
+    enforcer.close()
