@@ -395,3 +395,41 @@ def test_release_never_thaws_what_someone_else_froze(lab: CgroupLab, tmp_path: P
         assert handle.is_frozen() and not progresses(worker, 0.3)
     finally:
         handle.set_frozen(False)
+
+
+SIGTERMED = r"""
+import sys, time
+from pathlib import Path
+from gpuwatch.enforce.enforcer import Enforcer, install_exit_handlers
+from gpuwatch.enforce.audit import AuditLog
+from tests.system.enforce_lab import identity, snapshot, GIB
+tmp, path = Path(sys.argv[1]), sys.argv[2]
+enforcer = Enforcer(tmp / "policy.yaml", audit=AuditLog(tmp / "audit.jsonl"), frozen_state_path=tmp / "frozen.json",
+                    own_cgroups=frozenset())
+install_exit_handlers(enforcer)
+enforcer.on_snapshot(snapshot((identity(path, "term"), 2 * GIB)))
+print("paused", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_thaws_through_the_exit_handler(lab: CgroupLab, tmp_path: Path) -> None:
+    path = lab.make("term")
+    worker = lab.spawn(path)
+    write_policy(tmp_path, PAUSE_POLICY)
+    repo = Path(__file__).resolve().parents[2]
+    agent = subprocess.Popen(
+        [sys.executable, "-c", SIGTERMED, str(tmp_path), path], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "paused"
+        handle = CgroupTree().handle(path)
+        assert handle.is_frozen() and not progresses(worker, 0.3)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(10) == 128 + signal.SIGTERM
+        assert not handle.is_frozen() and progresses(worker)
+        assert json.loads((tmp_path / "frozen.json").read_text())["frozen"] == []
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(5)
