@@ -309,3 +309,23 @@ def test_cgroup_frozen_process_accrues_no_busy_time(tmp_path: Path, root_require
         cgroup.rmdir()
     assert running >= 90
     assert frozen == 0
+
+
+def test_work_of_a_process_that_just_died_still_counts_in_utilisation(tmp_path: Path) -> None:
+    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+        proc, _ = w.start_ready("--mib-per-step", "8", "--duty", "1.0")
+        time.sleep(1.2)
+        out = run_nvml(
+            node,
+            f"""
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+os.kill({proc.pid}, 9)
+while pynvml.nvmlDeviceGetComputeRunningProcesses(h):  # also frees the dead process's slot
+    pass
+just_died = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+time.sleep(1.2)
+print(json.dumps([just_died, pynvml.nvmlDeviceGetUtilizationRates(h).gpu]))
+""",
+        )
+    assert out[0] >= 60  # the last second was mostly its kernels, as a GPU counter would say
+    assert out[1] == 0

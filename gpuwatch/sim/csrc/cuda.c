@@ -383,19 +383,30 @@ static int claim_slot_locked(void)
     if (!live)
         return -1;
     sim_liveness(&g_sim, &g_self, live);
+    /* Reuse a free slot whose busy history has aged out (so utilisation keeps counting
+     * work of processes that died within the history); grow the table otherwise; and
+     * when it is full, take any free slot. */
+    uint32_t now_epoch = (uint32_t)(sim_realtime_ns() / SIM_BUCKET_NS);
+    int any_free = -1;
     for (uint32_t i = 0; i < live->count; i++) {
-        if (!h->procs[i].in_use || live->pid[i] < 0) {
+        if (h->procs[i].in_use && live->pid[i] >= 0)
+            continue;
+        if (any_free < 0)
+            any_free = (int)i;
+        if (now_epoch - h->procs[i].last_busy_epoch > SIM_BUCKETS) {
             chosen = (int)i;
             break;
         }
     }
     free(live);
-    if (chosen < 0) {
-        if (hw >= SIM_MAX_PROCS)
-            return -1;
+    if (chosen < 0 && hw < SIM_MAX_PROCS) {
         chosen = (int)hw;
         h->proc_high_water = hw + 1;
     }
+    if (chosen < 0)
+        chosen = any_free;
+    if (chosen < 0)
+        return -1;
     struct flock fl;
     memset(&fl, 0, sizeof(fl));
     fl.l_type = F_WRLCK;
@@ -787,6 +798,7 @@ static void credit_busy(struct sim_proc *p, int phys, uint64_t busy_ns, uint64_t
         nw = ((uint64_t)(uint32_t)epoch << 32) | (uint64_t)(busy + add_us);
     } while (!__atomic_compare_exchange_n(b, &old, nw, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     __atomic_fetch_add(&p->busy_ns_total[phys], busy_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->last_busy_epoch, (uint32_t)epoch, __ATOMIC_RELAXED);
 }
 
 static volatile uint64_t g_sink;

@@ -576,11 +576,45 @@ API nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t d, unsigned int counte
 
 /* ---- memory ---- */
 
+/* Free the slots of processes found dead (exclusive lock, liveness re-checked), so
+ * later queries do not re-confirm them one F_GETLK each. Their busy history stays
+ * until the slot is reused, so utilisation still counts work they did. */
+static void reap_dead(void)
+{
+    struct sim_live *live = malloc(sizeof(*live));
+    if (!live)
+        return;
+    sim_lock(&g_sim, 1);
+    sim_liveness(&g_sim, &g_self, live);
+    for (uint32_t s = 0; s < live->count; s++)
+        if (live->pid[s] < 0 && g_sim.hdr->procs[s].in_use)
+            __atomic_store_n(&g_sim.hdr->procs[s].in_use, 0, __ATOMIC_RELEASE);
+    sim_unlock(&g_sim);
+    free(live);
+}
+
+static unsigned count_dead(const struct sim_live *live)
+{
+    unsigned dead = 0;
+    for (uint32_t s = 0; s < live->count; s++)
+        if (live->pid[s] < 0 && g_sim.hdr->procs[s].in_use)
+            dead++;
+    return dead;
+}
+
 static uint64_t used_bytes(int i)
 {
+    struct sim_live *live = malloc(sizeof(*live));
+    if (!live)
+        return 0;
     sim_lock(&g_sim, 0);
-    uint64_t used = sim_device_used_bytes(&g_sim, i, &g_self, 0);
+    sim_liveness(&g_sim, &g_self, live);
+    uint64_t used = sim_used_bytes_live(&g_sim, i, live, 0);
+    unsigned dead = count_dead(live);
     sim_unlock(&g_sim);
+    free(live);
+    if (dead)
+        reap_dead();
     uint64_t total = g_sim.hdr->devices[i].memory_total_bytes;
     return used > total ? total : used;
 }
@@ -652,7 +686,10 @@ static unsigned collect_procs(int i, struct live_proc *out, unsigned cap)
         out[n].memory_bytes = p->memory_bytes[i];
         n++;
     }
+    unsigned dead = count_dead(&g_live);
     sim_unlock(&g_sim);
+    if (dead)
+        reap_dead();
     return n;
 }
 
@@ -747,11 +784,9 @@ static unsigned util_pct_of(struct sim_handle *h, int i, uint64_t from_ns, uint6
     uint64_t busy_us = 0;
     uint32_t hw = h->hdr->proc_high_water;
     for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
-        struct sim_proc *p = &h->hdr->procs[s];
-        if (!p->in_use)
-            continue;
-        /* busy time of a process that died inside the window still counts: it ran */
-        busy_us += sim_slot_busy_us(p, i, from_ns, to_ns);
+        /* every slot, in use or not: busy time of a process that died inside the
+         * window still counts (it ran); a reused slot starts with an empty history */
+        busy_us += sim_slot_busy_us(&h->hdr->procs[s], i, from_ns, to_ns);
     }
     uint64_t window_us = (to_ns - from_ns) / 1000;
     uint64_t pct = window_us ? (busy_us * 100 + window_us / 2) / window_us : 0;

@@ -83,7 +83,7 @@ struct sim_proc {
     uint64_t start_ticks;         /* /proc/self/stat field 22 */
     uint64_t generation;          /* bumps at every claim */
     uint32_t context_mask;        /* devices this process created a context on */
-    uint32_t pad;
+    uint32_t last_busy_epoch;     /* low 32 bits of the last bucket epoch it credited */
     uint64_t memory_bytes[SIM_MAX_DEVICES];
     uint64_t allocations[SIM_MAX_DEVICES];
     uint64_t busy_ns_total[SIM_MAX_DEVICES];  /* atomic */
