@@ -29,6 +29,7 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_F_UPROBE_MULTI_RETURN = 1
@@ -54,6 +55,10 @@ class BpfSyscallError(OSError):
     """A bpf()/perf_event_open() call failed; errno and the operation are in the message."""
 
 
+class _NoBatch(Exception):
+    """The kernel or map type has no BPF_MAP_LOOKUP_BATCH."""
+
+
 def _call(nr: int, *args: object, what: str) -> int:
     ret = _libc.syscall(nr, *args)
     if ret < 0:
@@ -65,6 +70,12 @@ def _call(nr: int, *args: object, what: str) -> int:
 class _MapElemAttr(ctypes.Structure):
     _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
                 ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+class _BatchAttr(ctypes.Structure):
+    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
+                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
+                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
 
 
 class _InfoAttr(ctypes.Structure):
@@ -222,10 +233,51 @@ class BpfMap:
         return self.keys()
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
+        """All (key, value) pairs: BPF_MAP_LOOKUP_BATCH (a few syscalls for the whole map),
+        or key-by-key where the kernel/map type has no batch lookup."""
+        if self._batch_ok:
+            try:
+                yield from self._items_batch()
+                return
+            except _NoBatch:
+                self._batch_ok = False
         for key in list(self.keys()):
             value = self.lookup(key)
             if value is not None:
                 yield key, value
+
+    _batch_ok = True
+    BATCH = 1024
+
+    def _items_batch(self) -> list[tuple[bytes, bytes]]:
+        chunk = self.BATCH
+        token_in = ctypes.create_string_buffer(max(self.key_size, 8))
+        token_out = ctypes.create_string_buffer(max(self.key_size, 8))
+        out: list[tuple[bytes, bytes]] = []
+        first = True
+        while True:
+            keys = ctypes.create_string_buffer(self.key_size * chunk)
+            values = ctypes.create_string_buffer(self.value_bytes * chunk)
+            attr = _BatchAttr(in_batch=0 if first else ctypes.addressof(token_in),
+                              out_batch=ctypes.addressof(token_out), keys=ctypes.addressof(keys),
+                              values=ctypes.addressof(values), count=chunk, map_fd=self.fd)
+            ret = _libc.syscall(SYS_BPF, BPF_MAP_LOOKUP_BATCH, ctypes.byref(attr), ctypes.sizeof(attr))
+            err = 0 if ret >= 0 else ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP) and first and not out:
+                raise _NoBatch()
+            if err == errno.ENOSPC:  # one bucket holds more than `chunk` entries
+                chunk *= 4
+                continue
+            if err not in (0, errno.ENOENT):
+                raise BpfSyscallError(err, f"batch lookup in {self.name}: {os.strerror(err)}")
+            kraw, vraw = keys.raw, values.raw
+            for i in range(attr.count):
+                out.append((kraw[i * self.key_size:(i + 1) * self.key_size],
+                            vraw[i * self.value_bytes:(i + 1) * self.value_bytes]))
+            if err == errno.ENOENT:
+                return out
+            ctypes.memmove(token_in, token_out, len(token_out))
+            first = False
 
     def percpu_slots(self, value: bytes) -> Iterator[bytes]:
         for off in range(0, len(value), self.slot_size):

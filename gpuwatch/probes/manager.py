@@ -79,6 +79,7 @@ class ProbeConfig:
     max_cuda_allocs: int = 65536
     sweep_interval_s: float = 5.0
     full_rescan_interval_s: float = 60.0  # read() also attaches libcuda of new GPU processes
+    scan_all_processes: bool = True  # full rescans look at every process, not only GPU ones
     proc_root: str = "/proc"
 
 
@@ -226,8 +227,12 @@ class ProbeManager:
         added = 0
         if pids is None:
             self._last_full_scan = time.monotonic()
-        found = discover(self.config.libcuda_paths if pids is None else (), Path(self.config.proc_root),
-                         pids=pids, use_ld_cache=pids is None)
+        if pids is None and not self.config.scan_all_processes:
+            pids = sorted(self._gpu_tgids())
+            found = discover(self.config.libcuda_paths, Path(self.config.proc_root), pids=pids)
+        else:
+            found = discover(self.config.libcuda_paths if pids is None else (), Path(self.config.proc_root),
+                             pids=pids, use_ld_cache=pids is None)
         for lib in found:
             if lib.inode_key in self._libs:
                 continue
@@ -289,6 +294,10 @@ class ProbeManager:
             raise ProbesUnavailable("probes are not started", fix="call ProbeManager.start() first")
         return self._maps[name]
 
+    def map_fd(self, name: str) -> int:
+        """File descriptor of one of our maps (for tools and tests; owned by the manager)."""
+        return self._map(name).fd
+
     def stats(self) -> dict[str, int]:
         """Kernel-side overflow/drop counters (map full, ring full, unmatched frees...)."""
         m = self._map("gw_stats")
@@ -298,6 +307,10 @@ class ProbeManager:
             out[name] = struct.unpack("<Q", raw[:8])[0] if raw else 0
         return out
 
+    def _gpu_tgids(self) -> set[int]:
+        """Processes with GPU state (opened a device node or called libcuda)."""
+        return {struct.unpack("<I", k)[0] for k in self._map("gw_tgids")}
+
     def _attach_new_gpu_processes(self) -> None:
         """Look at the libcuda of GPU processes not seen yet (a container's own copy gets its
         uprobes within one interval of its first device open); full rescan now and then."""
@@ -306,7 +319,7 @@ class ProbeManager:
         if time.monotonic() - self._last_full_scan >= self.config.full_rescan_interval_s:
             self.rescan()
             return
-        current = {struct.unpack("<I", k)[0] for k in self._map("gw_tgids")}
+        current = self._gpu_tgids()
         new = current - self._scanned_tgids
         self._scanned_tgids = current
         if new:

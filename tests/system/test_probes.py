@@ -150,8 +150,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 @pytest.fixture(scope="module")
 def manager(lab: Lab) -> Iterator[ProbeManager]:
+    # scan_all_processes=False: attach only to libraries of GPU processes on our device nodes,
+    # never into other processes that happen to map a libcuda on this machine
     pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),),
-                                  launch_uprobes=True, max_rm_allocs=RM_BOUND, sweep_interval_s=0.0))
+                                  launch_uprobes=True, max_rm_allocs=RM_BOUND, sweep_interval_s=0.0,
+                                  scan_all_processes=False))
     pm.start()
     try:
         yield pm
@@ -266,11 +269,11 @@ def test_library_copy_at_new_inode_is_attached_after_rescan(lab: Lab, manager: P
     copy = copy_dir / "libcuda.so.1"
     shutil.copy(lab.lib, copy)  # a container's own libcuda: same bytes, new inode
     cg, cg_id = lab.cgroup("rescan")
-    w = lab.spawn(cg, "dlopen", str(copy), "pause", "cualloc", "12345", "2", "pause")
+    w = lab.spawn(cg, "dlopen", str(copy), "open", "ctl", "pause", "cualloc", "12345", "2", "pause")
     w.wait_ready()
     inode = (os.stat(copy).st_dev, os.stat(copy).st_ino)
     assert inode not in {lib.inode_key for lib in manager.attached_libraries()}
-    assert manager.rescan() == 1
+    assert manager.rescan() == 1  # (without calling read(), which would also have found it)
     assert inode in {lib.inode_key for lib in manager.attached_libraries()}
     assert manager.rescan() == 0  # one attachment per inode
     w.release()
@@ -348,7 +351,7 @@ def test_perf_uprobes_count_and_stop_leaves_nothing_attached(lab: Lab) -> None:
     # the fallback for kernels without uprobe_multi links: one perf uprobe per symbol; and
     # the mode without any syscall tracepoint (ioctl group off): CUDA accounting still works
     pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), uprobe_multi=False,
-                                  ioctl=False))
+                                  ioctl=False, scan_all_processes=False))
     pm.start()
     ids = pm.prog_ids()
     assert ids and all(bpfsys.prog_exists(i) for i in ids)
@@ -378,7 +381,7 @@ def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached_and_its_rss
         import json, sys, time
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
         pm = ProbeManager(ProbeConfig(device_prefix={lab.prefix!r}, libcuda_paths=({str(lab.lib)!r},),
-                                      launch_uprobes=True))
+                                      launch_uprobes=True, scan_all_processes=False))
         pm.start()
         pm.read()
         status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
@@ -443,7 +446,8 @@ def test_trace_streams_per_container_events_as_json(lab: Lab) -> None:
 
 def test_pinned_counters_survive_an_agent_restart(lab: Lab) -> None:
     pin_dir = f"/sys/fs/bpf/gpuwatch-probes-test-{os.getpid()}"
-    config = ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), pin_dir=pin_dir)
+    config = ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),), pin_dir=pin_dir,
+                         scan_all_processes=False)
     cg, cg_id = lab.cgroup("pinned")
     first = ProbeManager(config)
     first.start()
@@ -525,3 +529,18 @@ def test_kernel_refusal_is_reported_as_probes_unavailable(bcc_required: None) ->
         bcc_loader.load_programs(bcc_loader.LoadRequest(extra_cflags=("-DGW_MAX_FDS=0",)))
     assert "BPF probes off: BCC could not build/load bpf/" in str(info.value)
     assert info.value.fix
+
+
+def test_batch_and_key_by_key_map_reads_agree(lab: Lab, manager: ProbeManager) -> None:
+    cg, _ = lab.cgroup("batch")
+    w = lab.spawn(cg, "open", "ctl", "ioctl", "0", "0x2a", "3", "ioctl", "0", "0x4e", "2",
+                  "rmalloc", "0", "1", "2", "0x40", "4096", "21")
+    assert w.finish() == 0
+    for name in ("gw_ioctls", "gw_mem", "gw_config"):  # per-CPU hash, hash, array
+        fd = manager.map_fd(name)
+        batch = bpfsys.BpfMap(fd, name)
+        batched = dict(batch.items())
+        assert batch._batch_ok, f"{name}: batch lookup unexpectedly unavailable"
+        one_by_one = bpfsys.BpfMap(fd, name)
+        one_by_one._batch_ok = False
+        assert batched == dict(one_by_one.items()) and batched

@@ -64,7 +64,8 @@ def _counters(pm: ProbeManager, cgroup_id: int) -> ProbeCounters:
 
 def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_path: Path) -> None:
     config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"),
-                         libcuda_paths=(str(sim.libraries.cuda_path),), launch_uprobes=True)
+                         libcuda_paths=(str(sim.libraries.cuda_path),), launch_uprobes=True,
+                         scan_all_processes=False)
     with ProbeManager(config) as pm, ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles",
                                                   docker_root=tmp_path / "docker",
                                                   runc_root=tmp_path / "runc") as lab:
