@@ -33,7 +33,7 @@ from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
 from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree, own_cgroup_paths
 from gpuwatch.enforce.control import BusySource, FreezeControl
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
-from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap
+from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap, kernel_action
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
 from gpuwatch.enforce.probe_events import convert_events
 from gpuwatch.enforce.webhook_requests import decide_webhook
@@ -112,7 +112,7 @@ class Enforcer:
         self.last_outcomes: list[Outcome] = []
         self.last_result: EvaluationResult | None = None
         self.last_latency_s = 0.0
-        self._pushed_limits: dict[int, int] = {}
+        self._pushed_limits: dict[int, tuple[int, str]] = {}
         self._identities: dict[str, ContainerIdentity] = {}
         self._closed = False
         self._webhook_times: list[float] = []
@@ -230,17 +230,27 @@ class Enforcer:
         self.metrics.count_action(decision.verb.value, result.status.value)
 
     def _push_limits(self, result: EvaluationResult) -> None:
-        wanted: dict[int, int] = {}
-        for key, measured in result.measurements.items():
+        """Effective GPU memory limit (and kernel action) per cgroup id into the kernel map."""
+        with self._lock:
+            policy = self.policy
+        rules = {r.name: r for r in policy.rules}
+        wanted: dict[int, tuple[int, str]] = {}
+        for key in set(result.measurements) | set(result.effective_limits_bytes):
             identity = self._identities.get(key)
-            limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes)
-            if identity is not None and identity.cgroup_id is not None and limit is not None:
-                wanted[identity.cgroup_id] = limit
-        for cgroup_id, limit in wanted.items():
-            if self._pushed_limits.get(cgroup_id) != limit and not self.dry_run:
-                self.limit_map.set_limit(cgroup_id, limit)
-        for cgroup_id in set(self._pushed_limits) - set(wanted):
-            if not self.dry_run:
+            measured = result.measurements.get(key)
+            fair = key in result.effective_limits_bytes
+            limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes if measured else None)
+            if identity is None or identity.cgroup_id is None or limit is None:
+                continue
+            if self.safety.unsafe_reason(identity):
+                continue
+            rule = rules.get(result.rules_by_target.get(key, ""))
+            wanted[identity.cgroup_id] = (limit, kernel_action(rule, fair))
+        if not self.dry_run:
+            for cgroup_id, (limit, action) in wanted.items():
+                if self._pushed_limits.get(cgroup_id) != (limit, action):
+                    self.limit_map.set_limit(cgroup_id, limit, action)
+            for cgroup_id in set(self._pushed_limits) - set(wanted):
                 self.limit_map.clear(cgroup_id)
         self._pushed_limits = wanted
         devices: dict[int, tuple[int, ...]] = {}

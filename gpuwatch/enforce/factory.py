@@ -14,15 +14,15 @@ from gpuwatch.enforce.limitmap import LimitMap
 class ProbeLimitMap:
     """LimitMap over the probes manager's BPF limit map (set_limit/clear_limit).
 
-    `action` is what the kernel does to an over-limit allocation: "event" (report it, the
-    enforcer decides) or "kill" (SIGKILL before the allocation proceeds)."""
+    The enforcer picks the kernel action per container from its rule (see
+    limitmap.kernel_action); `action`, when given, overrides it for every container."""
 
-    def __init__(self, probes: Any, action: str = "event") -> None:
+    def __init__(self, probes: Any, action: str | None = None) -> None:
         self.probes = probes
         self.action = action
 
-    def set_limit(self, cgroup_id: int, limit_bytes: int) -> None:
-        self.probes.set_limit(cgroup_id, limit_bytes, self.action)
+    def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
+        self.probes.set_limit(cgroup_id, limit_bytes, self.action or action)
 
     def clear(self, cgroup_id: int) -> None:
         self.probes.clear_limit(cgroup_id)
@@ -35,7 +35,7 @@ def build_enforcer(
     limit_map: LimitMap | None = None,
     probes: Any = None,
     frozen_state_path: str | Path = DEFAULT_STATE_PATH,
-    kernel_limit_action: str = "event",
+    kernel_limit_action: str | None = None,
 ) -> Enforcer:
     """Enforcer with the default actions; `probes` (a started ProbeManager) wires the
     in-kernel limit map unless `limit_map` is given. Raises PolicyError for a bad policy."""

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gpuwatch.policy.model import ActionKind, LimitKind, Rule
+
+KERNEL_ACTIONS = ("event", "stop", "kill")
+
 
 class LimitMap(Protocol):
-    def set_limit(self, cgroup_id: int, limit_bytes: int) -> None: ...
+    def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
+        """`action` for an allocation over the limit: "event" (report only), "stop"
+        (SIGSTOP before it happens; the enforcer decides) or "kill" (SIGKILL before it)."""
+        ...
 
     def clear(self, cgroup_id: int) -> None: ...
 
@@ -22,12 +29,32 @@ class NullLimitMap:
 
     def __init__(self) -> None:
         self.limits: dict[int, int] = {}
+        self.actions: dict[int, str] = {}
 
-    def set_limit(self, cgroup_id: int, limit_bytes: int) -> None:
+    def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
         self.limits[cgroup_id] = limit_bytes
+        self.actions[cgroup_id] = action
 
     def clear(self, cgroup_id: int) -> None:
         self.limits.pop(cgroup_id, None)
+        self.actions.pop(cgroup_id, None)
+
+
+def kernel_action(rule: Rule | None, fair_share: bool = False) -> str:
+    """What the kernel does at an over-limit allocation for containers of this rule: the
+    first memory step that fires at once at <= 100% decides — kill -> "kill" (0 bytes
+    over), pause/checkpoint -> "stop" (the enforcer decides), otherwise "event". Under an
+    oversubscribed fair share, "stop" so allocations wait instead of running into OOM."""
+    if fair_share:
+        return "stop"
+    for step in rule.actions if rule is not None else ():
+        if (step.on and LimitKind.GPU_MEMORY not in step.on) or step.at_ratio > 1.0 or step.for_s > 0:
+            continue
+        if step.kind is ActionKind.KILL:
+            return "kill"
+        if step.kind in (ActionKind.PAUSE, ActionKind.CHECKPOINT_KILL):
+            return "stop"
+    return "event"
 
 
 class DeviceGate(Protocol):

@@ -144,7 +144,7 @@ def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path,
             audit=AuditLog(tmp_path / "audit.jsonl"),
             frozen_state_path=tmp_path / "frozen.json",
             own_cgroups=frozenset(),
-            limit_map=ProbeLimitMap(pm, kernel_action),
+            limit_map=ProbeLimitMap(pm, "kill" if kernel_action == "kill" else None),
         )
         watch = LedgerWatch(sim)
         try:
@@ -165,8 +165,10 @@ def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path,
                 killed = [e.ts_ns for e in seen if e.type == "kill"]
                 exited = [e.ts_ns for e in seen if e.type == "process_exit" and over and e.ts_ns > over[0]]
                 assert over and killed
-                print(f"\nin-kernel path: over-limit call -> SIGKILL sent {(killed[0] - over[0]) / 1e3:.1f} us"
-                      + (f", -> process exit {(exited[0] - over[0]) / 1e3:.0f} us" if exited else ""))
+                print(
+                    f"\nin-kernel path: over-limit call -> SIGKILL sent {(killed[0] - over[0]) / 1e3:.1f} us"
+                    + (f", -> process exit {(exited[0] - over[0]) / 1e3:.0f} us" if exited else "")
+                )
             else:
                 # Stopped before the 3rd allocation; the policy then checkpoints and kills it.
                 assert [d.verb.value for d in decisions] == ["checkpoint-then-kill"], pod.logs()

@@ -239,3 +239,28 @@ def test_device_gate_gets_allowed_gpus_and_clears_vanished(tmp_path: Path) -> No
     enforcer.on_snapshot(snap(t=t))
     assert gate.allowed == {}
     enforcer.close()
+
+
+def test_kernel_action_follows_the_rule_ladder(tmp_path: Path) -> None:
+    from gpuwatch.enforce.limitmap import kernel_action
+    from gpuwatch.policy.loader import check_policy_text
+
+    def rule_with(actions: str) -> object:
+        text = (
+            "rules:\n  - name: r\n    match: {default: true}\n"
+            f"    limits: {{gpu_memory: 1GiB, gpu_time_share: 50%}}\n    actions: {actions}\n"
+        )
+        loaded, issues = check_policy_text(text)
+        assert loaded is not None, issues
+        return loaded.rules[0]
+
+    assert kernel_action(rule_with("[{do: alert, at: 90%}, {do: kill, at: 100%}]")) == "kill"  # type: ignore[arg-type]
+    assert kernel_action(rule_with("[{do: checkpoint-then-kill}]")) == "stop"  # type: ignore[arg-type]
+    assert kernel_action(rule_with("[{do: kill, for: 10s}]")) == "event"  # type: ignore[arg-type]
+    assert kernel_action(rule_with("[{do: kill, on: gpu_time_share}]")) == "event"  # type: ignore[arg-type]
+    assert kernel_action(None) == "event" and kernel_action(None, fair_share=True) == "stop"
+    limits = NullLimitMap()
+    enforcer = make(tmp_path, ALERT_POLICY.replace("do: alert", "do: kill"), limit_map=limits)
+    enforcer.on_snapshot(snap((who("a", 7), GIB // 2)))
+    assert limits.actions == {7: "kill"}
+    enforcer.close()
