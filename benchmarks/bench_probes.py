@@ -117,7 +117,8 @@ def agent_cpu(pm: ProbeManager, paths: dict[str, Path], mode: str, per_s: int, s
 AGENT_RSS_SCRIPT = """
 import json, sys
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
-pm = ProbeManager(ProbeConfig(device_prefix=sys.argv[1], libcuda_paths=(sys.argv[2],), launch_uprobes=True))
+pm = ProbeManager(ProbeConfig(device_prefix=sys.argv[1], libcuda_paths=(sys.argv[2],), launch_uprobes=True,
+                              scan_all_processes=False))
 pm.start()
 pm.read()
 st = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
@@ -168,7 +169,7 @@ def main() -> int:
                    if k.startswith(("alloc", "launch"))}
         pm = ProbeManager(ProbeConfig(device_prefix=prefix,
                                       libcuda_paths=(str(paths["lib_fp"]), str(paths["lib_nofp"])),
-                                      launch_uprobes=True))
+                                      launch_uprobes=True, scan_all_processes=False))
         t0 = time.monotonic()
         pm.start()
         start_s = time.monotonic() - t0
@@ -180,7 +181,7 @@ def main() -> int:
             pm.stop()
         # the ioctl group is the only one on syscall tracepoints: without it, syscalls pay nothing
         uprobes_only = ProbeManager(ProbeConfig(device_prefix=prefix, libcuda_paths=(str(paths["lib_fp"]),),
-                                                ioctl=False))
+                                                ioctl=False, scan_all_processes=False))
         uprobes_only.start()
         try:
             no_ioctl_group = {"getppid": calls_ns(paths["calls"], paths["lib_fp"], "getppid", opts.calls, prefix),

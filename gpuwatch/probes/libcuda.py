@@ -107,15 +107,19 @@ def container_root_paths(proc_root: Path = Path("/proc"), name_prefix: str = LIB
 
 def discover(configured: Iterable[str] = (), proc_root: Path = Path("/proc"),
              name_prefix: str = LIB_PREFIX, pids: Iterable[int] | None = None,
-             use_ld_cache: bool = True) -> list[LibraryCopy]:
+             use_ld_cache: bool = True, root_pids: Iterable[int] | None = None,
+             roots_of_all: bool = False) -> list[LibraryCopy]:
     """Distinct libcuda inodes reachable now, first path wins: the configured paths (or the
-    ld cache when none are configured and use_ld_cache), then the copies mapped by / present
-    in the root filesystem of every process, or only of `pids`."""
+    ld cache when none are configured and use_ld_cache), then the copies mapped by `pids`
+    (None: every process; reading every process's maps is the expensive part) and those in
+    the root filesystems of `root_pids` (default: `pids`; roots_of_all: every process,
+    cheap: one stat per process, one listing per distinct root)."""
     configured = list(configured)
     pid_list = None if pids is None else list(pids)
+    roots = None if roots_of_all else (pid_list if root_pids is None else list(root_pids))
     base = configured or (ld_cache_paths(name_prefix) if use_ld_cache else [])
     candidates = [*base, *mapped_paths(proc_root, name_prefix, pid_list),
-                  *container_root_paths(proc_root, name_prefix, pid_list)]
+                  *container_root_paths(proc_root, name_prefix, roots)]
     copies: dict[tuple[int, int], LibraryCopy] = {}
     for path in candidates:
         try:

@@ -218,21 +218,25 @@ class ProbeManager:
     def rescan(self, pids: Iterable[int] | None = None) -> int:
         """Attach uprobes to libcuda copies (inodes) not attached yet; returns how many.
 
-        Without `pids`: the configured paths (or the ld cache) and every process's maps and
-        root filesystem. With `pids`: only those processes (cheap; what read() does for GPU
+        Without `pids` (a full rescan): the configured paths (or the ld cache), the maps of
+        GPU processes (of every process on the first scan, to find copies mapped before we
+        started) and the root filesystems of every process (scan_all_processes) or of GPU
+        processes. With `pids`: only those processes (cheap; what read() does for GPU
         processes it has not looked at yet)."""
         if self._objs is None or not (self.config.alloc_uprobes or self.config.launch_uprobes):
             return 0
         table = self._symbol_table()
         added = 0
-        if pids is None:
-            self._last_full_scan = time.monotonic()
-        if pids is None and not self.config.scan_all_processes:
-            pids = sorted(self._gpu_tgids())
-            found = discover(self.config.libcuda_paths, Path(self.config.proc_root), pids=pids)
+        proc_root = Path(self.config.proc_root)
+        if pids is not None:
+            found = discover((), proc_root, pids=pids, use_ld_cache=False)
         else:
-            found = discover(self.config.libcuda_paths if pids is None else (), Path(self.config.proc_root),
-                             pids=pids, use_ld_cache=pids is None)
+            scan_all = self.config.scan_all_processes
+            first = self._last_full_scan == 0.0
+            self._last_full_scan = time.monotonic()
+            found = discover(self.config.libcuda_paths, proc_root,
+                             pids=None if (scan_all and first) else sorted(self._gpu_tgids()),
+                             roots_of_all=scan_all)
         for lib in found:
             if lib.inode_key in self._libs:
                 continue
