@@ -35,6 +35,8 @@ class AgentConfig:
     policy_path: str | None = None
     dry_run: bool = False
     audit_log: str = "/var/log/gpuwatch/audit.jsonl"
+    frozen_state_path: str = "/run/gpuwatch/frozen.json"
+    bundle_roots: Any = None  # gpuwatch.containers.BundleRoots; None: the runtimes' defaults
     webhook: tuple[str, int] | None = None
     webhook_token_file: str | None = None
     webhook_allow_remote: bool = False
@@ -69,7 +71,8 @@ def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes
     from gpuwatch.enforce.factory import build_enforcer
 
     enforcer = build_enforcer(policy_path=config.policy_path, audit_log=config.audit_log,
-                              dry_run=config.dry_run, limit_map=getattr(probes, "limit_map", None))
+                              dry_run=config.dry_run, probes=probes,
+                              frozen_state_path=config.frozen_state_path)
     stack.callback(enforcer.close)
     registry.register(enforcer.metrics_collector())
     log.info("enforcer on: policy %s%s, audit log %s", config.policy_path,
@@ -109,7 +112,8 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
     with ExitStack() as stack:
         probes = _start_probes(config, stack)
         sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
-                                node=node, proc_root=config.proc_root, probe_source=probes)
+                                node=node, proc_root=config.proc_root, probe_source=probes,
+                                bundle_roots=config.bundle_roots)
         sampler.start()
         stack.callback(sampler.stop)
         registry = registry_for(sampler.latest)

@@ -15,6 +15,7 @@ from types import FrameType
 import click
 
 from gpuwatch.cli.addresses import parse_listen
+from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -47,11 +48,16 @@ log = logging.getLogger("gpuwatch.agent")
                    "--webhook-listen; env GPUWATCH_WEBHOOK_TOKEN also works.")
 @click.option("--webhook-allow-remote", is_flag=True,
               help="Allow a non-loopback --webhook-listen address (token still required).")
+@click.option("--state-file", default="/run/gpuwatch/frozen.json", show_default=True,
+              help="What the enforcer froze (so a restarted agent thaws it after a crash).")
+@runtime_root_options
 @click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
 def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
           proc_root: str, probes: bool | None, device_prefix: str, launch_uprobes: bool,
           policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
-          webhook_token_file: str | None, webhook_allow_remote: bool, verbose: int) -> None:
+          webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str,
+          containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...],
+          verbose: int) -> None:
     """Run the node agent until SIGTERM/SIGINT.
 
     Samples NVML (and the kernel probes) every --interval, attributes GPU memory and kernel
@@ -70,6 +76,8 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
         device_prefix=device_prefix, launch_uprobes=launch_uprobes, policy_path=policy_path,
         dry_run=dry_run, audit_log=audit_log, webhook=webhook,
         webhook_token_file=webhook_token_file, webhook_allow_remote=webhook_allow_remote,
+        frozen_state_path=state_file,
+        bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
     )
     stop = threading.Event()
     reload_requested = threading.Event()

@@ -14,9 +14,11 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
+from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 from gpuwatch.errors import GpuwatchError, NvmlUnavailable
 from gpuwatch.model import Snapshot
 from gpuwatch.tui import jsondoc
@@ -33,7 +35,7 @@ def nvml_missing_message(err: GpuwatchError) -> str:
 
 
 def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s: float,
-                node: str | None) -> SnapshotSource:
+                node: str | None, bundle_roots: Any = None) -> SnapshotSource:
     """The Snapshot source for this run: a saved document, or the live sampler."""
     if snapshot_file is not None:
         return FileSource(snapshot_file)
@@ -43,7 +45,8 @@ def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s
         raise click.ClickException(f"the gpuwatch sampler cannot be loaded: {err}") from err
     try:
         sampler = sampler_module.build_sampler(nvml_library=nvml_library, interval_s=interval_s,
-                                               node=node or socket.gethostname())
+                                               node=node or socket.gethostname(),
+                                               bundle_roots=bundle_roots)
     except NvmlUnavailable as err:
         raise click.ClickException(nvml_missing_message(err)) from err
     return SamplerSource(sampler)
@@ -78,8 +81,10 @@ def take_once(source: SnapshotSource, settle_s: float, live: bool) -> Snapshot:
 @click.option("--node", default=None, help="Node name to show (default: this host's name).")
 @click.option("--snapshot-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               hidden=True, help="Show a saved `--once --json` document, re-read every refresh.")
+@runtime_root_options
 def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key: str, reverse: bool,
-        flat: bool, nvml_library: str | None, node: str | None, snapshot_file: Path | None) -> None:
+        flat: bool, nvml_library: str | None, node: str | None, snapshot_file: Path | None,
+        containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...]) -> None:
     """Live terminal view of GPUs and the containers on them.
 
     Per GPU: memory (bar), utilisation, temperature, power; per container: namespace, pod,
@@ -95,7 +100,8 @@ def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key
         click.echo("gpuwatch top: stdout is not a terminal; printing one table (as with --once)", err=True)
         once = True
 
-    source = open_source(snapshot_file, nvml_library, interval_s, node)
+    source = open_source(snapshot_file, nvml_library, interval_s, node,
+                         bundle_roots_from(containerd_roots, docker_roots, runc_roots))
     try:
         if once:
             snapshot = take_once(source, min(interval_s, ONCE_SETTLE_MAX_S), live=snapshot_file is None)
