@@ -80,19 +80,29 @@ def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes
     return enforcer
 
 
-def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any) -> None:
+def _webhook_token(config: AgentConfig) -> str | None:
+    """Validate the acting endpoint's settings before anything starts; the token or None."""
     if config.webhook is None:
-        return
-    from gpuwatch.enforce.webhook import WebhookServer, token_from_env_or_file
+        return None
+    from gpuwatch.enforce.webhook import check_bind_address, token_from_env_or_file
     from gpuwatch.errors import UnsafeConfiguration
 
-    if enforcer is None:
+    if not config.policy_path:
         raise UnsafeConfiguration("--webhook-listen needs --policy: alerts are turned into actions "
                                   "by the enforcer", fix="pass --policy FILE (may be alert-only)")
+    check_bind_address(config.webhook[0], config.webhook_allow_remote)
     token = token_from_env_or_file(config.webhook_token_file)
     if token is None:
         raise UnsafeConfiguration("the enforcement webhook needs a token",
                                   fix="pass --webhook-token-file FILE (mode 600, >= 16 chars)")
+    return token
+
+
+def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any, token: str | None) -> None:
+    if config.webhook is None or token is None or enforcer is None:
+        return
+    from gpuwatch.enforce.webhook import WebhookServer
+
     host, port = config.webhook
     server = WebhookServer(host, port, token, enforcer.on_webhook, config.webhook_allow_remote)
     server.start()
@@ -109,6 +119,7 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
     node = config.node or socket.gethostname()
     if config.nvml_library:
         os.environ["GPUWATCH_NVML_LIBRARY"] = config.nvml_library
+    webhook_token = _webhook_token(config)  # refuse unsafe settings before anything starts
     with ExitStack() as stack:
         probes = _start_probes(config, stack)
         sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
@@ -122,7 +133,7 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
         stack.callback(server.stop)
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
                  config.listen_host, server.port, node, config.interval_s)
-        _start_webhook(config, stack, enforcer)
+        _start_webhook(config, stack, enforcer, webhook_token)
         last_seen = 0.0
         while not stop.wait(timeout=min(config.interval_s, 1.0)):
             if reload_requested.is_set():
