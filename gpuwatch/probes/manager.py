@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import importlib.util
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
@@ -59,6 +61,21 @@ TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("gw_enter_ioctl", "syscalls", "sys_enter_ioctl", "ioctl"),
     ("gw_exit_ioctl", "syscalls", "sys_exit_ioctl", "ioctl"),
 )
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[ProbeManager, _P], _R]) -> Callable[Concatenate[ProbeManager, _P], _R]:
+    """Run a ProbeManager method under its lock (map fds are used and closed under it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ProbeManager, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
 
 ACTIONS = {"event": layout.GW_ACTION_EVENT, "kill": layout.GW_ACTION_KILL, "stop": layout.GW_ACTION_STOP}
 
@@ -130,8 +147,12 @@ class ProbeManager:
         self.load_s = 0.0
         self.attach_s = 0.0
         self.notes: list[str] = []
+        # read() (sampler thread), poll_events/set_limit (enforcer), rescan and stop may run
+        # on different threads: map handles are only used and closed under this lock
+        self._lock = threading.RLock()
 
     # ---- lifecycle ------------------------------------------------------------------------
+    @_locked
     def start(self) -> None:
         if self._objs is not None:
             return
@@ -174,11 +195,13 @@ class ProbeManager:
         conf = layout.GwConfig(prefix_len=len(prefix), flags=0, prefix=prefix)
         self._maps["gw_config"].update(struct.pack("<I", 0), bytes(conf))
 
+    @_locked
     def unpin(self) -> None:
         """Remove the pinned maps (with pin_dir, stop() keeps them for the next start)."""
         if self.config.pin_dir:
             pinning.unpin(self.config.pin_dir)
 
+    @_locked
     def stop(self) -> None:
         """Detach everything and unload (close every fd). Safe to call any number of times."""
         for att in self._libs.values():
@@ -215,6 +238,7 @@ class ProbeManager:
             table.update(LAUNCH_SYMBOLS)
         return table
 
+    @_locked
     def rescan(self, pids: Iterable[int] | None = None) -> int:
         """Attach uprobes to libcuda copies (inodes) not attached yet; returns how many.
 
@@ -298,10 +322,12 @@ class ProbeManager:
             raise ProbesUnavailable("probes are not started", fix="call ProbeManager.start() first")
         return self._maps[name]
 
+    @_locked
     def map_fd(self, name: str) -> int:
         """File descriptor of one of our maps (for tools and tests; owned by the manager)."""
         return self._map(name).fd
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Kernel-side overflow/drop counters (map full, ring full, unmatched frees...)."""
         m = self._map("gw_stats")
@@ -329,6 +355,7 @@ class ProbeManager:
         if new:
             self.rescan(pids=sorted(new))
 
+    @_locked
     def read(self) -> tuple[ProbeCounters, ...]:
         """One read of every per-cgroup map -> one ProbeCounters per cgroup seen (and, as
         housekeeping, sweep stale entries and attach uprobes to new libcuda copies)."""
@@ -369,14 +396,23 @@ class ProbeManager:
         return tuple(a.counters(cg, self.config) for cg, a in sorted(acc.items()))
 
     def poll_events(self, timeout_ms: int) -> list[ProbeEvent]:
-        """Rare events (new GPU process, OOM return, over-limit allocation, kill)."""
-        if self._ring is None:
+        """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop).
+        Waits without holding the manager's lock, so read() and stop() are never blocked."""
+        ring = self._ring
+        if ring is None:
             raise ProbesUnavailable("probes are not started", fix="call ProbeManager.start() first")
+        try:
+            ring.wait(timeout_ms)
+        except ValueError:  # stop() closed the ring buffer while we waited
+            return []
         out: list[ProbeEvent] = []
-        self._ring.poll(timeout_ms, lambda raw: out.append(ProbeEvent.from_record(raw)))
+        with self._lock:
+            if self._ring is ring:
+                ring.consume(lambda raw: out.append(ProbeEvent.from_record(raw)))
         return out
 
     # ---- limits (kill/stop at the allocation, used by the enforcer) ---------------------------
+    @_locked
     def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
         """CUDA-API live-bytes limit for a cgroup: over-limit allocations raise an event and,
         with action="kill", get SIGKILL (action="stop": SIGSTOP, the enforcer decides what
@@ -386,6 +422,7 @@ class ProbeManager:
         lim = layout.GwLimit(limit_bytes=limit_bytes, action=ACTIONS[action])
         self._map("gw_limits").update(struct.pack("<Q", cgroup_id), bytes(lim))
 
+    @_locked
     def clear_limit(self, cgroup_id: int) -> None:
         self._map("gw_limits").delete(struct.pack("<Q", cgroup_id))
 
@@ -398,6 +435,7 @@ class ProbeManager:
             self._last_exits = exits
             self._last_sweep = now
 
+    @_locked
     def sweep(self) -> int:
         """Delete fd/allocation entries left by exited processes (generation mismatch).
         Their bytes were already subtracted in the kernel at exit/close; this only frees map
@@ -424,6 +462,7 @@ class ProbeManager:
                           lambda k, v: gens.get(k.tgid) == v.tgid_gen)
         return removed
 
+    @_locked
     def live_entries(self) -> dict[str, int]:
         """Current number of entries in the bounded per-process maps."""
         return {name: len(self._map(name)) for name in ("gw_tgids", "gw_fds", "gw_rm", "gw_cuda", "gw_devh")}

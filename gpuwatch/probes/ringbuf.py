@@ -36,9 +36,13 @@ class RingBuffer:
 
     def poll(self, timeout_ms: int, handle: Callable[[bytes], None]) -> int:
         """Wait up to timeout_ms for data, hand every available record to `handle`."""
+        self.wait(timeout_ms)
+        return self.consume(handle)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Wait up to timeout_ms until a record is available (returns at once if one is)."""
         if self._available() == 0:
             self._epoll.poll(max(timeout_ms, 0) / 1000.0)
-        return self.consume(handle)
 
     def _available(self) -> int:
         cons = struct.unpack_from("<Q", self._cons, 0)[0]
