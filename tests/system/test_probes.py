@@ -375,8 +375,9 @@ def _uprobe_events() -> str:
     return (root / "uprobe_events").read_text()
 
 
-def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached_and_its_rss_is_small(
-        lab: Lab) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "crash-sigkill"])
+def test_a_killed_process_holding_probes_leaves_nothing_attached_and_its_rss_is_small(
+        lab: Lab, sig: signal.Signals) -> None:
     script = textwrap.dedent(f"""
         import json, sys, time
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
@@ -399,8 +400,8 @@ def test_sigterm_to_a_process_holding_probes_leaves_nothing_attached_and_its_rss
         # the agent side never maps BCC/LLVM: the compile ran in a child that has exited
         assert report["bcc"] is False
         assert report["rss_kib"] <= 60 * 1024, report
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == -signal.SIGTERM
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == -sig
     finally:
         if proc.poll() is None:
             proc.kill()
