@@ -28,6 +28,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
 from gpuwatch.probes import bcc_loader, bpfsys, layout, pinning
+from gpuwatch.probes.cgroupgc import cgroup2_mount, live_cgroup_ids
 from gpuwatch.probes.elf import ElfError, symbol_offsets
 from gpuwatch.probes.events import ProbeEvent, device_index, ioctl_op_name
 from gpuwatch.probes.libcuda import LibraryCopy, discover
@@ -97,6 +98,8 @@ class ProbeConfig:
     sweep_interval_s: float = 5.0
     full_rescan_interval_s: float = 60.0  # read() also attaches libcuda of new GPU processes
     scan_all_processes: bool = True  # full rescans look at every process, not only GPU ones
+    cgroup_gc_interval_s: float = 60.0  # drop counters of removed cgroups this often
+    cgroup_root: str | None = None  # cgroup v2 mount (None: from /proc/self/mounts)
     proc_root: str = "/proc"
 
 
@@ -142,6 +145,7 @@ class ProbeManager:
         self.adopted: pinning.AdoptReport | None = None
         self._last_exits = -1
         self._scanned_tgids: set[int] = set()
+        self._last_gc = time.monotonic()
         self._last_full_scan = 0.0
         self._last_sweep = 0.0
         self.load_s = 0.0
@@ -434,6 +438,26 @@ class ProbeManager:
             self.sweep()
             self._last_exits = exits
             self._last_sweep = now
+        if now - self._last_gc >= self.config.cgroup_gc_interval_s:
+            self.gc_cgroups()
+            self._last_gc = now
+
+    @_locked
+    def gc_cgroups(self) -> int:
+        """Drop the counters of cgroups that no longer exist (and hold no live process
+        state), so the bounded per-cgroup maps never fill up with removed containers.
+        Returns the number of map entries removed."""
+        root = Path(self.config.cgroup_root) if self.config.cgroup_root else cgroup2_mount()
+        if root is None:
+            return 0
+        maps = [(self._map("gw_ioctls"), 0), (self._map("gw_mem"), 0), (self._map("gw_limits"), 0)]
+        if "gw_launches" in self._maps:
+            maps.append((self._maps["gw_launches"], 0))
+        # keys first, then the tree: a cgroup created in between has no key in our list
+        keyed = [(m, key, struct.unpack_from("<Q", key, off)[0]) for m, off in maps for key in list(m.keys())]
+        held = {layout.GwTgidState.from_buffer_copy(v).cgroup_id for _, v in self._map("gw_tgids").items()}
+        alive = live_cgroup_ids(root) | held
+        return sum(m.delete(key) for m, key, cg in keyed if cg not in alive)
 
     @_locked
     def sweep(self) -> int:

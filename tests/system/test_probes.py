@@ -545,3 +545,18 @@ def test_batch_and_key_by_key_map_reads_agree(lab: Lab, manager: ProbeManager) -
         one_by_one = bpfsys.BpfMap(fd, name)
         one_by_one._batch_ok = False
         assert batched == dict(one_by_one.items()) and batched
+
+
+def test_counters_of_removed_cgroups_are_dropped(lab: Lab, manager: ProbeManager) -> None:
+    gone, gone_id = lab.cgroup("gc-removed")
+    kept, kept_id = lab.cgroup("gc-kept")
+    for cg in (gone, kept):
+        w = lab.spawn(cg, "open", "ctl", "ioctl", "0", "0x2a", "2", "dlopen", str(lab.lib), "cualloc", "100", "1")
+        assert w.finish() == 0
+    assert {gone_id, kept_id} <= {c.cgroup_id for c in manager.read()}
+    wait_for(lambda: not (gone / "cgroup.procs").read_text().strip())
+    gone.rmdir()
+    lab.cgroups.remove(gone)
+    assert manager.gc_cgroups() >= 2  # its ioctl and memory counters
+    ids = {c.cgroup_id for c in manager.read()}
+    assert gone_id not in ids and kept_id in ids

@@ -137,3 +137,18 @@ def test_discover_finds_copies_mapped_by_processes_and_in_container_roots(fake_l
     assert {c.inode_key for c in found} == inode
     assert {c.inode_key for c in discover([], proc_root=proc, use_ld_cache=False, pids=[11])} == {
         (os.stat(root11 / "usr/lib64/libcuda.so.1").st_dev, os.stat(root11 / "usr/lib64/libcuda.so.1").st_ino)}
+
+
+def test_live_cgroup_ids_are_the_directory_inodes(tmp_path: Path) -> None:
+    from gpuwatch.probes.cgroupgc import cgroup2_mount, live_cgroup_ids
+
+    (tmp_path / "kubepods" / "pod1" / "ctr").mkdir(parents=True)
+    (tmp_path / "system.slice").mkdir()
+    (tmp_path / "cgroup.procs").write_text("")
+    expected = {os.stat(p).st_ino for p in (tmp_path, tmp_path / "kubepods", tmp_path / "kubepods" / "pod1",
+                                            tmp_path / "kubepods" / "pod1" / "ctr", tmp_path / "system.slice")}
+    assert live_cgroup_ids(tmp_path) == expected
+    assert live_cgroup_ids(tmp_path / "missing") == set()
+    mounts = tmp_path / "mounts"
+    mounts.write_text("proc /proc proc rw 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n")
+    assert cgroup2_mount(mounts) == Path("/sys/fs/cgroup/unified")
