@@ -289,6 +289,15 @@ class BpfMap:
 
 # ---- attach -------------------------------------------------------------------------------
 
+def close_all(fds: list[int]) -> None:
+    """Close fds (detach/unload), ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            continue  # already closed
+
+
 def tracefs_root() -> Path:
     for root in TRACEFS_CANDIDATES:
         if (root / "events").is_dir():

@@ -13,7 +13,6 @@ attached, by construction (uprobes go through the perf uprobe PMU, not uprobe_ev
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import importlib.util
 import os
@@ -23,34 +22,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
-from gpuwatch.probes import bcc_loader, bpfsys, layout, pinning
-from gpuwatch.probes.cgroupgc import cgroup2_mount, live_cgroup_ids
+from gpuwatch.probes import bcc_loader, bpfsys, housekeeping, layout, pinning, uprobes
+from gpuwatch.probes.cgroupgc import cgroup2_mount
+from gpuwatch.probes.counters import read_counters
 from gpuwatch.probes.elf import ElfError, symbol_offsets
-from gpuwatch.probes.events import ProbeEvent, device_index, ioctl_op_name
+from gpuwatch.probes.events import ProbeEvent
 from gpuwatch.probes.libcuda import LibraryCopy, discover
 from gpuwatch.probes.ringbuf import RingBuffer
-
-# libcuda symbol -> (program, also attach the return probe)
-ALLOC_SYMBOLS: dict[str, tuple[str, bool]] = {
-    "cuMemAlloc_v2": ("gw_cu_alloc", True),
-    "cuMemAllocManaged": ("gw_cu_alloc", True),
-    "cuMemAllocAsync": ("gw_cu_alloc", True),
-    "cuMemAllocPitch_v2": ("gw_cu_alloc_pitch", True),
-    "cuMemCreate": ("gw_cu_create", True),
-    "cuMemFree_v2": ("gw_cu_free", False),
-    "cuMemFreeAsync": ("gw_cu_free", False),
-    "cuMemRelease": ("gw_cu_free", False),
-}
-LAUNCH_SYMBOLS: dict[str, tuple[str, bool]] = {
-    "cuLaunchKernel": ("gw_cu_launch", False),
-    "cuLaunchKernelEx": ("gw_cu_launch", False),
-    "cuGraphLaunch": ("gw_cu_graph_launch", False),
-}
-ALLOC_RET_PROG = "gw_cu_alloc_ret"
 
 # (program, tracepoint category, tracepoint name, group)
 TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
@@ -209,9 +191,9 @@ class ProbeManager:
     def stop(self) -> None:
         """Detach everything and unload (close every fd). Safe to call any number of times."""
         for att in self._libs.values():
-            _close_all(att.fds)
+            bpfsys.close_all(att.fds)
         self._libs.clear()
-        _close_all(self._tp_fds)
+        bpfsys.close_all(self._tp_fds)
         self._tp_fds.clear()
         if self._ring is not None:
             self._ring.close()
@@ -235,12 +217,7 @@ class ProbeManager:
 
     # ---- uprobes ------------------------------------------------------------------------------
     def _symbol_table(self) -> dict[str, tuple[str, bool]]:
-        table: dict[str, tuple[str, bool]] = {}
-        if self.config.alloc_uprobes:
-            table.update(ALLOC_SYMBOLS)
-        if self.config.launch_uprobes:
-            table.update(LAUNCH_SYMBOLS)
-        return table
+        return uprobes.symbol_table(self.config.alloc_uprobes, self.config.launch_uprobes)
 
     @_locked
     def rescan(self, pids: Iterable[int] | None = None) -> int:
@@ -275,37 +252,15 @@ class ProbeManager:
                 continue
             att = _Attachment(library=lib, symbols=tuple(sorted(offsets)))
             try:
-                self._attach_library(att, table, offsets)
+                att.fds.extend(uprobes.attach_library(self._objs.progs, lib.path, table, offsets,
+                                                      self.config.uprobe_multi, self.notes))
             except OSError as err:
-                _close_all(att.fds)
+                bpfsys.close_all(att.fds)
                 self.notes.append(f"libcuda {lib.path}: uprobe refused ({err})")
                 continue
             self._libs[lib.inode_key] = att
             added += 1
         return added
-
-    def _attach_library(self, att: _Attachment, table: dict[str, tuple[str, bool]],
-                        offsets: dict[str, int]) -> None:
-        """One uprobe_multi link per (program, entry/return) for this file when the kernel
-        has them (attach and detach in ms), else one perf uprobe per symbol."""
-        assert self._objs is not None
-        progs = self._objs.progs
-        wanted: dict[tuple[str, bool], list[int]] = {}
-        for sym, offset in offsets.items():
-            prog, with_ret = table[sym]
-            wanted.setdefault((prog, False), []).append(offset)
-            if with_ret:
-                wanted.setdefault((ALLOC_RET_PROG, True), []).append(offset)
-        path = att.library.path
-        for (prog, ret), offs in wanted.items():
-            multi = progs.get(prog + bcc_loader.MULTI_SUFFIX) if self.config.uprobe_multi else None
-            if multi is not None:
-                try:
-                    att.fds.append(bpfsys.attach_uprobe_multi(multi, path, offs, retprobe=ret))
-                    continue
-                except OSError as err:
-                    self.notes.append(f"uprobe_multi refused for {path} ({err}); using perf uprobes")
-            att.fds.extend(bpfsys.attach_uprobe(progs[prog], path, off, retprobe=ret) for off in offs)
 
     def attached_libraries(self) -> tuple[LibraryCopy, ...]:
         return tuple(att.library for att in self._libs.values())
@@ -365,39 +320,8 @@ class ProbeManager:
         housekeeping, sweep stale entries and attach uprobes to new libcuda copies)."""
         self._maybe_sweep()
         self._attach_new_gpu_processes()
-        acc: dict[int, _CgroupAcc] = {}
-
-        def get(cg: int) -> _CgroupAcc:
-            if cg not in acc:
-                acc[cg] = _CgroupAcc()
-            return acc[cg]
-
-        ioctls = self._map("gw_ioctls")
-        for key, value in ioctls.items():
-            k = layout.GwIoctlKey.from_buffer_copy(key)
-            a = get(k.cgroup_id)
-            for slot in ioctls.percpu_slots(value):
-                v = layout.GwIoctlVal.from_buffer_copy(slot)
-                a.calls[k.nr] = a.calls.get(k.nr, 0) + v.calls
-                a.failures[k.nr] = a.failures.get(k.nr, 0) + v.failures
-        for key, value in self._map("gw_mem").items():
-            mk = layout.GwMemKey.from_buffer_copy(key)
-            mv = layout.GwMemVal.from_buffer_copy(value)
-            a = get(mk.cgroup_id)
-            if mk.device == layout.GW_DEV_CUDA:
-                a.cuda = mv
-            else:
-                dev = device_index(mk.device)
-                a.rm[-1 if dev is None else dev] = mv
-        launches = self._maps.get("gw_launches")
-        if launches is not None:
-            for key, value in launches.items():
-                a = get(struct.unpack("<Q", key)[0])
-                for slot in launches.percpu_slots(value):
-                    lv = layout.GwLaunchVal.from_buffer_copy(slot)
-                    a.kernel_launches += lv.kernel_launches
-                    a.graph_launches += lv.graph_launches
-        return tuple(a.counters(cg, self.config) for cg, a in sorted(acc.items()))
+        return read_counters(self._maps, launches_on=self.config.launch_uprobes,
+                             cuda_on=self.config.alloc_uprobes)
 
     def poll_events(self, timeout_ms: int) -> list[ProbeEvent]:
         """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop).
@@ -448,93 +372,16 @@ class ProbeManager:
         state), so the bounded per-cgroup maps never fill up with removed containers.
         Returns the number of map entries removed."""
         root = Path(self.config.cgroup_root) if self.config.cgroup_root else cgroup2_mount()
-        if root is None:
-            return 0
-        maps = [(self._map("gw_ioctls"), 0), (self._map("gw_mem"), 0), (self._map("gw_limits"), 0)]
-        if "gw_launches" in self._maps:
-            maps.append((self._maps["gw_launches"], 0))
-        # keys first, then the tree: a cgroup created in between has no key in our list
-        keyed = [(m, key, struct.unpack_from("<Q", key, off)[0]) for m, off in maps for key in list(m.keys())]
-        held = {layout.GwTgidState.from_buffer_copy(v).cgroup_id for _, v in self._map("gw_tgids").items()}
-        alive = live_cgroup_ids(root) | held
-        return sum(m.delete(key) for m, key, cg in keyed if cg not in alive)
+        return 0 if root is None else housekeeping.drop_removed_cgroups(self._maps, root)
 
     @_locked
     def sweep(self) -> int:
         """Delete fd/allocation entries left by exited processes (generation mismatch).
         Their bytes were already subtracted in the kernel at exit/close; this only frees map
         slots. Returns the number of entries removed."""
-        gens: dict[int, int] = {}
-        for key, value in self._map("gw_tgids").items():
-            gens[struct.unpack("<I", key)[0]] = layout.GwTgidState.from_buffer_copy(value).gen
-        removed = 0
-        fd_gens: dict[tuple[int, int], int] = {}
-        fds = self._map("gw_fds")
-        for key, value in fds.items():
-            fk = layout.GwFdKey.from_buffer_copy(key)
-            fv = layout.GwFdVal.from_buffer_copy(value)
-            if gens.get(fk.tgid) != fv.tgid_gen:
-                removed += fds.delete(key)
-            else:
-                fd_gens[(fk.tgid, fk.fd)] = fv.fd_gen
-        removed += _sweep(self._map("gw_rm"), layout.GwRmKey, layout.GwRmVal,
-                          lambda k, v: gens.get(k.tgid) == v.tgid_gen
-                          and fd_gens.get((k.tgid, v.fd)) == v.fd_gen)
-        removed += _sweep(self._map("gw_cuda"), layout.GwCudaKey, layout.GwCudaVal,
-                          lambda k, v: gens.get(k.tgid) == v.tgid_gen)
-        removed += _sweep(self._map("gw_devh"), layout.GwRmKey, layout.GwDevhVal,
-                          lambda k, v: gens.get(k.tgid) == v.tgid_gen)
-        return removed
+        return housekeeping.sweep_stale(self._maps)
 
     @_locked
     def live_entries(self) -> dict[str, int]:
         """Current number of entries in the bounded per-process maps."""
         return {name: len(self._map(name)) for name in ("gw_tgids", "gw_fds", "gw_rm", "gw_cuda", "gw_devh")}
-
-
-class _CgroupAcc:
-    def __init__(self) -> None:
-        self.calls: dict[int, int] = {}
-        self.failures: dict[int, int] = {}
-        self.rm: dict[int, layout.GwMemVal] = {}
-        self.cuda: layout.GwMemVal | None = None
-        self.kernel_launches = 0
-        self.graph_launches = 0
-
-    def counters(self, cgroup_id: int, config: ProbeConfig) -> ProbeCounters:
-        cuda = self.cuda
-        return ProbeCounters(
-            cgroup_id=cgroup_id,
-            ioctl_calls_by_op=tuple(sorted((ioctl_op_name(nr), n) for nr, n in self.calls.items())),
-            ioctl_failures_total=sum(self.failures.values()),
-            ioctl_failures_by_op=tuple(sorted((ioctl_op_name(nr), n)
-                                              for nr, n in self.failures.items() if n)),
-            allocated_bytes_by_gpu=tuple(sorted((dev, v.live_bytes) for dev, v in self.rm.items())),
-            allocations_total=sum(v.allocs for v in self.rm.values()),
-            frees_total=sum(v.frees for v in self.rm.values()),
-            allocation_failures_total=sum(v.failures for v in self.rm.values())
-            + (cuda.failures if cuda else 0),
-            launches_total=self.kernel_launches + self.graph_launches if config.launch_uprobes else None,
-            graph_launches_total=self.graph_launches if config.launch_uprobes else None,
-            cuda_allocated_bytes=(cuda.live_bytes if cuda else 0) if config.alloc_uprobes else None,
-            cuda_allocations_total=cuda.allocs if cuda else 0,
-            cuda_frees_total=cuda.frees if cuda else 0,
-            cuda_oom_total=cuda.failures if cuda else 0,
-        )
-
-
-def _sweep(m: bpfsys.BpfMap, key_t: type[ctypes.Structure], val_t: type[ctypes.Structure],
-           keep: Callable[[Any, Any], bool]) -> int:
-    removed = 0
-    for key, value in m.items():
-        if not keep(key_t.from_buffer_copy(key), val_t.from_buffer_copy(value)):
-            removed += m.delete(key)
-    return removed
-
-
-def _close_all(fds: Iterable[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            continue  # already closed
