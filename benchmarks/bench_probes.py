@@ -16,7 +16,8 @@ Then, in one run, it reports:
   tracepoint, so no cost on syscalls);
 * load (BCC compile in the child) and attach time;
 * agent CPU reading the maps once per second while a workload does 10k allocations/s and,
-  separately, 100k ioctls/s (the in-kernel cost is in the per-call numbers);
+  separately, 100k ioctls/s (the in-kernel cost is in the per-call numbers), and the CPU of
+  one read() when --cgroups cgroups have counters;
 * agent RSS / RssAnon with probes attached (fresh process; the target is <= 60 MiB), and the
   RSS of a process that holds BCC itself, for reference.
 Needs root, BCC and kernel headers. Everything it attaches is detached on exit.
@@ -97,6 +98,39 @@ def measure(paths: dict[str, Path], n: int, prefix: str, env: dict[str, str] | N
     return out
 
 
+def read_cost_at_scale(pm: ProbeManager, paths: dict[str, Path], prefix: str, cgroups: int) -> dict[str, float]:
+    """CPU of one read() when `cgroups` cgroups have counters (each ran a short GPU-like job)."""
+    base = Path("/sys/fs/cgroup/unified") / f"gpuwatch-bench-probes-{os.getpid()}"
+    base.mkdir()
+    made: list[Path] = []
+    try:
+        for i in range(cgroups):
+            cg = base / f"c{i}"
+            cg.mkdir()
+            made.append(cg)
+            procs = str(cg / "cgroup.procs")
+
+            def enter(procs: str = procs) -> None:
+                with open(procs, "w") as f:
+                    f.write("0")
+
+            subprocess.run([str(paths["calls"]), str(paths["lib_fp"]), "ioctl", "10", prefix],
+                           preexec_fn=enter, check=True, capture_output=True)
+            subprocess.run([str(paths["calls"]), str(paths["lib_fp"]), "alloc", "10", prefix],
+                           preexec_fn=enter, check=True, capture_output=True)
+        pm.read()
+        samples = []
+        for _ in range(5):
+            t0 = time.process_time()
+            n = len(pm.read())
+            samples.append(time.process_time() - t0)
+        return {"cgroups_with_counters": n, "read_cpu_ms": round(1000 * min(samples), 2)}
+    finally:
+        for cg in made:
+            cg.rmdir()
+        base.rmdir()
+
+
 def agent_cpu(pm: ProbeManager, paths: dict[str, Path], mode: str, per_s: int, seconds: float,
               prefix: str) -> dict[str, float]:
     """Agent CPU (this process) reading maps once per second while a workload runs at a rate."""
@@ -149,6 +183,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200000, help="calls per measurement (emulated probes)")
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each agent-CPU run")
+    ap.add_argument("--cgroups", type=int, default=200, help="cgroups with counters for the read-cost run")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     opts = ap.parse_args()
     if os.geteuid() != 0:
@@ -177,6 +212,7 @@ def main() -> int:
             probed = measure(paths, opts.calls, prefix)
             cpu_alloc = agent_cpu(pm, paths, "alloc", 10000, opts.seconds, prefix)
             cpu_ioctl = agent_cpu(pm, paths, "ioctl", 100000, opts.seconds, prefix)
+            at_scale = read_cost_at_scale(pm, paths, prefix, opts.cgroups)
         finally:
             pm.stop()
         # the ioctl group is the only one on syscall tracepoints: without it, syscalls pay nothing
@@ -207,7 +243,8 @@ def main() -> int:
         result["per_call"] = per_call
         result["load_attach"] = {"start_total_s": round(start_s, 3), "compile_load_child_s": round(pm.load_s, 3),
                                  "attach_s": round(pm.attach_s, 3)}
-        result["agent_cpu"] = {"alloc_10k_per_s": cpu_alloc, "ioctl_100k_per_s": cpu_ioctl}
+        result["agent_cpu"] = {"alloc_10k_per_s": cpu_alloc, "ioctl_100k_per_s": cpu_ioctl,
+                               "one_read_at_scale": at_scale}
         agent = rss(AGENT_RSS_SCRIPT, prefix, str(paths["lib_fp"]))
         result["agent_rss_kib"] = agent
         result["bcc_in_process_rss_kib"] = rss(BCC_RSS_SCRIPT)
