@@ -43,6 +43,9 @@ int gw_enter_ioctl(struct gw_sys_enter_args *ctx)
     struct gw_fd_val *fv = gw_fds.lookup(&fk);
     if (!fv)
         return 0;
+    struct gw_tgid_state *st = gw_tgids.lookup(&tgid);
+    if (!st || st->gen != fv->tgid_gen)
+        return 0;   /* a stale entry of an exited process whose pid was reused */
     u32 cmd = (u32)ctx->args[1];
     struct gw_ioctl_inflight in = {};
     in.fd = fk.fd;
