@@ -16,6 +16,7 @@ from types import FrameType
 import click
 
 from gpuwatch.model import ContainerIdentity
+from gpuwatch.probes.events import ProbeEvent
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.probes.trace_view import HEADER, TraceFilter, format_json, format_line
 
@@ -27,18 +28,34 @@ class _Stop(Exception):
 
 
 class _Identities:
-    """cgroup id -> identity via gpuwatch.containers, cached for the run."""
+    """Event -> container identity via gpuwatch.containers: by the event's pid (reads
+    /proc/<pid>/cgroup, so a brand-new container is known at once), else by cgroup id (the
+    process may have exited). Answers are cached briefly: metadata can appear a moment later."""
+
+    TTL_S = 1.0
 
     def __init__(self) -> None:
         from gpuwatch.containers.resolver import IdentityResolver
 
         self._resolver = IdentityResolver()
-        self._cache: dict[int, ContainerIdentity | None] = {}
+        self._cache: dict[int, tuple[float, ContainerIdentity]] = {}
 
-    def get(self, cgroup_id: int) -> ContainerIdentity | None:
-        if cgroup_id not in self._cache:
-            self._cache[cgroup_id] = self._resolver.identity_for_cgroup_id(cgroup_id)
-        return self._cache[cgroup_id]
+    def get(self, ev: ProbeEvent) -> ContainerIdentity | None:
+        now = time.monotonic()
+        hit = self._cache.get(ev.cgroup_id)
+        if hit is not None and now - hit[0] < self.TTL_S:
+            return hit[1]
+        identity: ContainerIdentity | None = None
+        proc = self._resolver.resolve_pid(ev.tgid)
+        if proc is not None and proc.identity.cgroup_id in (None, ev.cgroup_id):
+            identity = proc.identity
+        if identity is None:
+            identity = self._resolver.identity_for_cgroup_id(ev.cgroup_id)
+        if identity is None and hit is not None:
+            identity = hit[1]  # the cgroup is gone now; what we knew of it still holds
+        if identity is not None:
+            self._cache[ev.cgroup_id] = (now, identity)
+        return identity
 
 
 @click.command("trace")
@@ -78,7 +95,7 @@ def trace(container: str | None, pod: str | None, namespace: str | None, as_json
         next_rescan = time.monotonic() + RESCAN_INTERVAL_S
         while deadline is None or time.monotonic() < deadline:
             for ev in pm.poll_events(200):
-                identity = identities.get(ev.cgroup_id)
+                identity = identities.get(ev)
                 if not flt.matches(identity):
                     continue
                 click.echo(format_json(ev, identity) if as_json else format_line(ev, identity, t0_ns))

@@ -9,6 +9,7 @@ resolve the pods' identity, and return everything when the pods stop.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -99,3 +100,40 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
         for cg_id in ids:  # killed without freeing: process exit returned everything
             c = _counters(pm, cg_id)
             assert (c.cuda_allocated_bytes, dict(c.allocated_bytes_by_gpu)) == (0, {-1: 0})
+
+
+def test_trace_filters_one_pod_of_the_sim_node(sim: simnode.SimNode, tmp_path: Path) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    namespace = f"trace-{uuid.uuid4().hex[:8]}"
+    # the default containerd bundle root: where `gpuwatch trace` (no options) finds pod names
+    with ContainerLab(tmp_path / "work", docker_root=tmp_path / "docker", runc_root=tmp_path / "runc") as lab:
+        trace = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "trace", "--json", "--namespace", namespace, "--pod", "pod-b",
+             "--device-prefix", str(sim.dev_dir / "nvidia"), "--libcuda", str(sim.libraries.cuda_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert trace.stderr is not None
+            assert "probes attached" in trace.stderr.readline()
+            a = lab.run(dataclasses.replace(_worker(sim, "pod-a", gpu=0, mib=16, steps=2), namespace=namespace))
+            b = lab.run(dataclasses.replace(_worker(sim, "pod-b", gpu=1, mib=8, steps=3), namespace=namespace))
+            _wait_ready(a)
+            _wait_ready(b)
+            b.stop()
+            time.sleep(1.0)
+            trace.send_signal(signal.SIGTERM)
+            out, err = trace.communicate(timeout=30)
+            assert trace.returncode == 0, err
+        finally:
+            if trace.poll() is None:
+                trace.kill()
+                trace.wait()
+    events = [json.loads(line) for line in out.splitlines()]
+    assert {(e["container"]["namespace"], e["container"]["pod"]) for e in events} == {(namespace, "pod-b")}
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "new_gpu_process" and kinds[-1] == "process_exit"
+    assert [e["size_bytes"] for e in events if e["event"] == "alloc" and e["source"] == "cuda"] == [8 * MiB] * 3
+    assert [e["size_bytes"] for e in events if e["event"] == "alloc" and e["source"] == "ioctl"] == [8 * MiB] * 3
