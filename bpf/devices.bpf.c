@@ -78,6 +78,8 @@ int gw_exit_openat(struct gw_sys_exit_args *ctx)
     struct gw_tgid_state *st = gw_tgid_get_or_create(tgid);
     if (!st)
         return 0;
+    if (in.kind == GW_KIND_GPU && in.minor < GW_DEV_UNKNOWN)
+        st->gpu_mask |= 1u << in.minor;   /* benign race between threads: bits only get set */
     struct gw_fd_key k = {};
     k.tgid = tgid;
     k.fd = (u32)ctx->ret;

@@ -137,6 +137,8 @@ struct gw_path {
 struct gw_tgid_state {
     __u64 cgroup_id;            /* every charge of this process goes to this cgroup */
     __u64 gen;                  /* unique generation: stale fd/alloc entries never match */
+    __u32 gpu_mask;             /* GPU minors (< 16) whose <prefix>N node it opened */
+    __u32 pad;
     __s64 rm_bytes[GW_DEV_SLOTS];   /* live decoded video memory per device slot */
     __s64 cuda_bytes;           /* live CUDA-API bytes (uprobes) */
 };

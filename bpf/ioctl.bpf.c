@@ -84,6 +84,15 @@ int gw_enter_ioctl(struct gw_sys_enter_args *ctx)
                         if (dv)
                             in.device = gw_slot(dv->device);
                     }
+                    if (in.device == GW_DEV_UNKNOWN) {
+                        /* a process that opened exactly one GPU node (a container given one
+                         * GPU) can only be allocating on that one */
+                        u32 m = st->gpu_mask;
+#pragma unroll
+                        for (int b = 0; b < GW_DEV_UNKNOWN; b++)
+                            if (m == (1u << b))
+                                in.device = b;
+                    }
                 }
             } else {
                 gw_stat(GW_STAT_READ_FAULTS);

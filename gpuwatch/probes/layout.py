@@ -89,8 +89,8 @@ class GwConfig(ctypes.Structure):
 
 
 class GwTgidState(ctypes.Structure):
-    _fields_ = [("cgroup_id", u64), ("gen", u64), ("rm_bytes", s64 * GW_DEV_SLOTS),
-                ("cuda_bytes", s64)]
+    _fields_ = [("cgroup_id", u64), ("gen", u64), ("gpu_mask", u32), ("pad", u32),
+                ("rm_bytes", s64 * GW_DEV_SLOTS), ("cuda_bytes", s64)]
 
 
 class GwFdKey(ctypes.Structure):

@@ -79,16 +79,16 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
         resolver = IdentityResolver(bundle_roots=BundleRoots(
             containerd_tasks=(str(tmp_path / "bundles"),), runc_state=(str(tmp_path / "runc"),),
             docker_containers=(str(tmp_path / "docker" / "containers"),)))
-        for container, pod, steps, expected in ((a, "pod-a", 3, 3 * 64 * MiB),
-                                                (b, "pod-b", 5, 5 * 32 * MiB)):
+        for container, pod, gpu, steps, expected in ((a, "pod-a", 0, 3, 3 * 64 * MiB),
+                                                     (b, "pod-b", 1, 5, 5 * 32 * MiB)):
             cg_id = container.v2_dir.stat().st_ino
             sim_bytes = sum(p.memory_bytes for p in ledger.processes if p.host_pid in container.pids())
             assert sim_bytes == expected
             c = _counters(pm, cg_id)
             assert c.cuda_allocated_bytes == sim_bytes
-            # the sim allocates on nvidiactl under a device handle it never RM_ALLOCs, so the
-            # decoded driver bytes have no device index: -1
-            assert dict(c.allocated_bytes_by_gpu) == {-1: sim_bytes}
+            # the sim allocates on nvidiactl under a device handle it never RM_ALLOCs; the
+            # process opened exactly one GPU node, so the bytes belong to that GPU
+            assert dict(c.allocated_bytes_by_gpu) == {gpu: sim_bytes}
             assert dict(c.ioctl_calls_by_op)["rm_alloc"] == steps
             assert c.cuda_allocations_total == steps
             identity = resolver.identity_for_cgroup_id(cg_id)
@@ -99,7 +99,7 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
         b.stop()
         for cg_id in ids:  # killed without freeing: process exit returned everything
             c = _counters(pm, cg_id)
-            assert (c.cuda_allocated_bytes, dict(c.allocated_bytes_by_gpu)) == (0, {-1: 0})
+            assert c.cuda_allocated_bytes == 0 and set(dict(c.allocated_bytes_by_gpu).values()) == {0}
 
 
 def test_trace_filters_one_pod_of_the_sim_node(sim: simnode.SimNode, tmp_path: Path) -> None:
