@@ -45,22 +45,32 @@ class Pods:
 
 
 @contextmanager
-def pods(base: Path) -> Iterator[Pods]:
+def sim_node(base: Path) -> Iterator[simnode.SimNode]:
     name = f"a{uuid.uuid4().hex[:10]}"
     state = Path("/dev/shm") / f"gpuwatch-sim-{name}"
     with ExitStack() as stack:
         sim = simnode.up(devices=2, name=name, state_path=state, root=base / "simroot")
         stack.callback(simnode.down, name, state_path=state)
+        yield sim
+
+
+@contextmanager
+def pods(base: Path, sim: simnode.SimNode | None = None) -> Iterator[Pods]:
+    """The demo pods on `sim` (or on a fresh simulated node)."""
+    with ExitStack() as stack:
+        if sim is None:
+            sim = stack.enter_context(sim_node(base))
         dirs = demo.default_lab_dirs(base)
         lab = stack.enter_context(ContainerLab(**dirs))
         yield Pods(sim, lab, demo.start_workloads(lab, sim), dirs)
 
 
-def agent_argv(p: Pods, port: int, tmp: Path, *extra: str) -> list[str]:
+def agent_argv(sim: simnode.SimNode, lab_base: Path, port: int, tmp: Path, *extra: str) -> list[str]:
+    dirs = demo.default_lab_dirs(lab_base)
     return [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", "--node=sim-node",
-            "--interval=0.5", f"--nvml-library={p.sim.libraries.nvml_path}",
-            f"--containerd-root={p.dirs['bundle_root']}", f"--runc-root={p.dirs['runc_root']}",
-            f"--device-prefix={p.sim.root}/dev/nvidia", f"--audit-log={tmp / 'audit.jsonl'}",
+            "--interval=0.5", f"--nvml-library={sim.libraries.nvml_path}",
+            f"--containerd-root={dirs['bundle_root']}", f"--runc-root={dirs['runc_root']}",
+            f"--device-prefix={sim.root}/dev/nvidia", f"--audit-log={tmp / 'audit.jsonl'}",
             f"--state-file={tmp / 'frozen.json'}", *extra]
 
 
@@ -131,10 +141,12 @@ def agent_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_agent_serves_exact_memory_with_pod_labels(tmp_path: Path, agent_env: dict[str, str]) -> None:
+    """Agent first, then the pods start: NVML memory and the probes' decoded ioctl bytes agree."""
     port = free_port()
-    with pods(tmp_path / "node") as p:
-        env = {**agent_env, "GPUWATCH_SIM_STATE": str(p.sim.state_path)}
-        with running_agent(agent_argv(p, port, tmp_path), env, tmp_path / "agent.log", port):
+    with sim_node(tmp_path / "node") as sim:
+        env = {**agent_env, "GPUWATCH_SIM_STATE": str(sim.state_path)}
+        with running_agent(agent_argv(sim, tmp_path / "node", port, tmp_path), env, tmp_path / "agent.log", port), \
+                pods(tmp_path / "node", sim):
             def all_three() -> bool:
                 text = scrape(port)
                 return all(sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) is not None
@@ -147,6 +159,10 @@ def test_agent_serves_exact_memory_with_pod_labels(tmp_path: Path, agent_env: di
                 assert got == w.memory_mib * MIB, (w, got)
             assert sample(text, "gpuwatch_namespace_memory_bytes", namespace="ml-team") == (20480 + 8192) * MIB
             assert sample(text, "gpuwatch_gpu_backend_up") == 1
+            assert sample(text, "gpuwatch_probes_up") == 1
+            for w in demo.DEFAULT_WORKLOADS:  # one allocation each, decoded from RM_ALLOC by the probes
+                assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) == 1, w
+                assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == w.memory_mib * MIB, w
 
 
 def test_alert_driven_pause_then_sigterm_thaws(tmp_path: Path, agent_env: dict[str, str]) -> None:
@@ -167,8 +183,8 @@ def test_alert_driven_pause_then_sigterm_thaws(tmp_path: Path, agent_env: dict[s
     with pods(tmp_path / "node") as p:
         trainer = p.by_pod("trainer-0")
         env = {**agent_env, "GPUWATCH_SIM_STATE": str(p.sim.state_path)}
-        argv = agent_argv(p, port, tmp_path, f"--policy={policy}", f"--webhook-listen=127.0.0.1:{hook_port}",
-                          f"--webhook-token-file={token_file}")
+        argv = agent_argv(p.sim, tmp_path / "node", port, tmp_path, f"--policy={policy}",
+                          f"--webhook-listen=127.0.0.1:{hook_port}", f"--webhook-token-file={token_file}")
         with running_agent(argv, env, tmp_path / "agent.log", port) as agent, \
                 run_alertmanager(tmp_path / "am", f"http://127.0.0.1:{hook_port}/api/v1/alerts", TOKEN) as am, \
                 run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], rule_files=[rules], alertmanager=am,
