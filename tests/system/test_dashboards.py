@@ -8,15 +8,16 @@ with three real runc pods.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import need_binary, need_root
-from tests.system.demo_node import demo_node
-from tests.system.promstack import run_prometheus
+from tests.conftest import need_bcc, need_binary, need_root
+from tests.system.promstack import free_port, run_prometheus
+from tests.system.test_agent import agent_argv, pods, running_agent, sim_node
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 TEMPLATE_VALUES = {"$node": ".*", "$namespace": ".*"}
@@ -48,11 +49,18 @@ def test_dashboards_are_well_formed() -> None:
 
 @pytest.mark.slow
 def test_every_panel_query_returns_data(tmp_path: Path) -> None:
+    """The real agent (probes + alert-only enforcer) on the simulated node, then the pods."""
     need_root()
+    need_bcc()
     need_binary("runc", "runc")
     prometheus = need_binary("prometheus", "prometheus")
-    with demo_node(tmp_path / "node") as node, \
-            run_prometheus(tmp_path / "prom", [node.target], binary=prometheus, interval_s=0.5) as prom:
+    port = free_port()
+    policy = Path(__file__).resolve().parents[2] / "deploy" / "policies" / "alert-only.yaml"
+    with sim_node(tmp_path / "node") as sim, \
+            running_agent(agent_argv(sim, tmp_path / "node", port, tmp_path, f"--policy={policy}"),
+                          {**os.environ, "GPUWATCH_SIM_STATE": str(sim.state_path)}, tmp_path / "agent.log", port), \
+            pods(tmp_path / "node", sim), \
+            run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], binary=prometheus, interval_s=0.5) as prom:
         assert prom.wait_for('gpuwatch_container_memory_bytes{namespace="ml-team"}', timeout_s=20)
         time.sleep(3)  # enough samples for rate() windows
         empty = []
