@@ -270,4 +270,27 @@ struct gw_devh_val {
     __u64 tgid_gen;
 };
 
+/* ---- device gate (devicegate.bpf.c: a cgroup device program, loaded on its own) ----------
+ * gw_gate_nodes: (major, minor) of each GPU node gpuwatch resolved by stat() of <prefix>N ->
+ * its GPU index. gw_gate_allow: gated cgroup id -> bitmask of the GPU indices it may open.
+ * Numbers not in gw_gate_nodes (control nodes, everything else) are always allowed. */
+#define GW_GATE_MAX_GPUS 64      /* GPU indices a gw_gate_allow mask can name */
+#define GW_GATE_MAX_NODES 256    /* GPU nodes known to the gate */
+#define GW_GATE_MAX_CGROUPS 4096 /* gated cgroups */
+#define GW_GATE_MAX_DEPTH 32     /* cgroup levels searched for a gated ancestor */
+
+struct gw_gate_node_key {
+    __u32 major;
+    __u32 minor;
+};
+
+struct gw_gate_node {
+    __u32 index;                /* N of <prefix>N */
+    __u32 pad;
+};
+
+struct gw_gate_allow {
+    __u64 gpu_mask;             /* bit N set: <prefix>N may be opened */
+};
+
 #endif /* GPUWATCH_H */

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.probes.layout import BPF_DIR
@@ -49,6 +50,14 @@ PROGRAMS: dict[str, dict[str, str]] = {
 MAPS_CORE = ("gw_config", "gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_mem", "gw_rm",
              "gw_devh", "gw_cuda", "gw_limits", "gw_events")
 
+# unit "devicegate": the cgroup device program of device isolation, a compilation unit of
+# its own (loaded only when the enforcer gates devices; attached per cgroup, not traced)
+PROBES_UNIT = "probes"
+DEVICE_GATE_UNIT = "devicegate"
+DEVICE_GATE_SOURCES = ("devicegate.bpf.c",)
+DEVICE_GATE_MAPS = ("gw_gate_nodes", "gw_gate_allow")
+DEVICE_GATE_PROGRAM = "gw_device_gate"
+
 
 @dataclass(frozen=True)
 class LoadRequest:
@@ -61,6 +70,7 @@ class LoadRequest:
     max_rm_allocs: int = 65536
     max_cuda_allocs: int = 65536
     extra_cflags: tuple[str, ...] = ()
+    unit: str = PROBES_UNIT  # or DEVICE_GATE_UNIT (then the group switches do not apply)
 
     def groups(self) -> tuple[str, ...]:
         return tuple(g for g, on in (("core", True), ("ioctl", self.ioctl), ("alloc", self.alloc_uprobes),
@@ -167,6 +177,8 @@ def _child_main(sock_fd: int) -> int:
                                  "fix": "apt-get install python3-bpfcc; use a venv with "
                                         "--system-site-packages"}).encode())
         return 1
+    if request.unit == DEVICE_GATE_UNIT:
+        return _load_device_gate(bcc, sock, request)
     text = b"\n".join((BPF_DIR / name).read_bytes() for name in BPF_SOURCES)
     try:
         prog = bcc.BPF(text=text, cflags=request.cflags())
@@ -199,6 +211,25 @@ def _child_main(sock_fd: int) -> int:
                                 ).encode())
         return 1
     socket.send_fds(sock, [json.dumps({"maps": maps, "progs": progs, "notes": notes}).encode()], fds)
+    sock.close()
+    return 0
+
+
+def _load_device_gate(bcc: Any, sock: socket.socket, request: LoadRequest) -> int:
+    """Child side of unit "devicegate": its two maps and one BPF_PROG_TYPE_CGROUP_DEVICE program."""
+    text = b"\n".join((BPF_DIR / name).read_bytes() for name in DEVICE_GATE_SOURCES)
+    try:
+        prog = bcc.BPF(text=text, cflags=request.cflags())
+        fds = [prog.get_table(name).map_fd for name in DEVICE_GATE_MAPS]
+        fds.append(prog.load_func(DEVICE_GATE_PROGRAM.encode(), bcc.BPF.CGROUP_DEVICE).fd)
+    except Exception as err:  # BCC raises bare Exception for compile/verifier errors
+        sock.sendall(json.dumps({"error": f"BCC could not build/load the device gate: {err}",
+                                 "fix": "see the verifier/compiler output above; the kernel needs "
+                                        "CONFIG_CGROUP_BPF (cgroup device programs)"}).encode())
+        return 1
+    reply = {"maps": {name: i for i, name in enumerate(DEVICE_GATE_MAPS)},
+             "progs": {DEVICE_GATE_PROGRAM: len(DEVICE_GATE_MAPS)}, "notes": []}
+    socket.send_fds(sock, [json.dumps(reply).encode()], fds)
     sock.close()
     return 0
 

@@ -29,9 +29,11 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_PROG_QUERY = 16
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48
+BPF_CGROUP_DEVICE = 6  # attach type of cgroup device programs
 BPF_F_UPROBE_MULTI_RETURN = 1
 
 BPF_ANY = 0
@@ -383,3 +385,40 @@ def attach_uprobe(prog_fd: int, path: str, offset: int, retprobe: bool = False) 
     fd = _perf_open(attr, what)
     _set_bpf(fd, prog_fd, what)
     return fd
+
+
+# ---- cgroup programs ------------------------------------------------------------------------
+
+class _CgroupLinkAttr(ctypes.Structure):
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32),
+                ("attach_type", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("relative_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("expected_revision", ctypes.c_uint64), ("rest", ctypes.c_uint8 * 32)]
+
+
+class _ProgQueryAttr(ctypes.Structure):
+    _fields_ = [("target_fd", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
+                ("query_flags", ctypes.c_uint32), ("attach_flags", ctypes.c_uint32),
+                ("prog_ids", ctypes.c_uint64), ("prog_cnt", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("prog_attach_flags", ctypes.c_uint64), ("link_ids", ctypes.c_uint64),
+                ("link_attach_flags", ctypes.c_uint64), ("revision", ctypes.c_uint64)]
+
+
+def attach_cgroup_link(prog_fd: int, cgroup_fd: int, attach_type: int) -> int:
+    """Attach a cgroup program to the cgroup open at `cgroup_fd` with a BPF link; returns the
+    link fd. A cgroup link is always BPF_F_ALLOW_MULTI (composes with programs others attach)
+    and, unlike BPF_PROG_ATTACH, lives only as long as its fd: closing it — or the process
+    dying, whatever the cause — detaches it, so nothing can be left attached behind us."""
+    attr = _CgroupLinkAttr(prog_fd=prog_fd, target_fd=cgroup_fd, attach_type=attach_type)
+    return _call(SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr),
+                 what=f"cgroup link (attach type {attach_type})")
+
+
+def cgroup_prog_ids(cgroup_fd: int, attach_type: int) -> tuple[int, ...]:
+    """Ids of the programs attached directly to a cgroup for `attach_type` (BPF_PROG_QUERY)."""
+    ids = (ctypes.c_uint32 * 64)()
+    attr = _ProgQueryAttr(target_fd=cgroup_fd, attach_type=attach_type,
+                          prog_ids=ctypes.addressof(ids), prog_cnt=len(ids))
+    _call(SYS_BPF, BPF_PROG_QUERY, ctypes.byref(attr), ctypes.sizeof(attr),
+          what=f"query cgroup programs (attach type {attach_type})")
+    return tuple(int(ids[i]) for i in range(min(attr.prog_cnt, len(ids))))

@@ -60,6 +60,11 @@ GW_STAT_EXITS = 9
 GW_STAT_READ_FAULTS = 10
 GW_STAT_COUNT = 11
 
+GW_GATE_MAX_GPUS = 64
+GW_GATE_MAX_NODES = 256
+GW_GATE_MAX_CGROUPS = 4096
+GW_GATE_MAX_DEPTH = 32
+
 STAT_NAMES: tuple[str, ...] = (
     "fd_overflow", "tgid_overflow", "cgroup_overflow", "rm_alloc_overflow",
     "cuda_alloc_overflow", "inflight_overflow", "rm_free_unmatched", "cuda_free_unmatched",
@@ -77,6 +82,7 @@ CONSTANTS: tuple[str, ...] = (
     "GW_STAT_RM_ALLOC_OVERFLOW", "GW_STAT_CUDA_ALLOC_OVERFLOW", "GW_STAT_INFLIGHT_OVERFLOW",
     "GW_STAT_RM_FREE_UNMATCHED", "GW_STAT_CUDA_FREE_UNMATCHED", "GW_STAT_EVENTS_DROPPED",
     "GW_STAT_EXITS", "GW_STAT_READ_FAULTS", "GW_STAT_COUNT",
+    "GW_GATE_MAX_GPUS", "GW_GATE_MAX_NODES", "GW_GATE_MAX_CGROUPS", "GW_GATE_MAX_DEPTH",
 )
 
 u32 = ctypes.c_uint32
@@ -152,6 +158,18 @@ class GwEvent(ctypes.Structure):
                 ("kind", u32), ("comm", ctypes.c_char * 16)]
 
 
+class GwGateNodeKey(ctypes.Structure):
+    _fields_ = [("major", u32), ("minor", u32)]
+
+
+class GwGateNode(ctypes.Structure):
+    _fields_ = [("index", u32), ("pad", u32)]
+
+
+class GwGateAllow(ctypes.Structure):
+    _fields_ = [("gpu_mask", u64)]
+
+
 # C struct name -> ctypes mirror (checked field by field against the header)
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "gw_config": GwConfig,
@@ -170,4 +188,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "gw_cuda_val": GwCudaVal,
     "gw_devh_val": GwDevhVal,
     "gw_event": GwEvent,
+    "gw_gate_node_key": GwGateNodeKey,
+    "gw_gate_node": GwGateNode,
+    "gw_gate_allow": GwGateAllow,
 }
