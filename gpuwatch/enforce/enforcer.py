@@ -264,11 +264,20 @@ class Enforcer:
             if not self.safety.unsafe_reason(identity):
                 devices[identity.cgroup_id] = rule.limits.devices
         if not self.dry_run:
+            pushed: dict[int, tuple[int, ...]] = {}
             for cgroup_id, allowed in devices.items():
                 if self._pushed_devices.get(cgroup_id) != allowed:
-                    self.device_gate.allow_only(cgroup_id, allowed)
-            for cgroup_id in set(self._pushed_devices) - set(devices):
+                    try:
+                        self.device_gate.allow_only(cgroup_id, allowed)
+                    except EnforcementError as err:  # retried next snapshot; the old gate stays
+                        log.warning("device isolation of cgroup %d not applied: %s", cgroup_id, err)
+                        if cgroup_id in self._pushed_devices:
+                            pushed[cgroup_id] = self._pushed_devices[cgroup_id]
+                        continue
+                pushed[cgroup_id] = allowed
+            for cgroup_id in set(self._pushed_devices) - set(pushed):
                 self.device_gate.clear(cgroup_id)
+            devices = pushed
         self._pushed_devices = devices
 
     def _update_view(self, result: EvaluationResult) -> None:
@@ -326,6 +335,9 @@ class Enforcer:
                 return []
             self._closed = True
         thawed = self.actions.close()
+        close_gate = getattr(self.device_gate, "close", None)
+        if callable(close_gate):  # BpfDeviceGate: detach the device program from every cgroup
+            close_gate()
         if thawed:
             log.info("thawed on close: %s", ", ".join(thawed))
         if self._owns_audit:
