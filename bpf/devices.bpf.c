@@ -3,7 +3,9 @@
  * openat enter reads the path (bounded) and compares it with the configured prefix (config
  * map, bounded loop); exit records (tgid, fd) -> kind/minor for a successful open. close
  * releases the memory allocated through that fd (the driver frees a client's objects when
- * its fd is closed) and forgets the fd. */
+ * its fd is closed) and forgets the fd. Fds a process gets without an open (dup, fork) are
+ * in inherit.bpf.c; fds opened before the probes started are seeded from user space
+ * (gpuwatch/probes/fdseed.py) with the same value layout. */
 
 #if GW_IOCTL
 static __always_inline int gw_classify(const char *buf, u32 len, u32 *minor)
@@ -32,6 +34,15 @@ static __always_inline int gw_classify(const char *buf, u32 len, u32 *minor)
         }
     }
     return GW_KIND_OTHER;
+}
+
+/* 1 + the highest device fd number of the process: bounds the copy at fork (inherit.bpf.c).
+ * A benign race between threads: it only grows, and a low value only means the rescan from
+ * user space seeds the child instead. */
+static __always_inline void gw_note_fd(struct gw_tgid_state *st, u32 fd)
+{
+    if (fd + 1 > st->fd_hi)
+        st->fd_hi = fd + 1;
 }
 
 int gw_enter_openat(struct gw_sys_enter_args *ctx)
@@ -90,21 +101,24 @@ int gw_exit_openat(struct gw_sys_exit_args *ctx)
     v.fd_gen = bpf_ktime_get_ns();
     if (gw_fds.update(&k, &v) != 0)
         gw_stat(GW_STAT_FD_OVERFLOW);
+    else
+        gw_note_fd(st, k.fd);
 #if GW_VERBOSE_EVENTS
     gw_emit(GW_EV_DEVICE_OPEN, st->cgroup_id, 0, k.fd, in.minor, 0, in.kind);
 #endif
     return 0;
 }
 
-int gw_enter_close(struct gw_sys_enter_args *ctx)
+/* Forget a device fd (close, or the implicit close of dup2/dup3 onto it), releasing the bytes
+ * allocated through it. */
+static __always_inline void gw_forget_fd(u32 tgid, u32 fd)
 {
-    u64 id = bpf_get_current_pid_tgid();
     struct gw_fd_key k = {};
-    k.tgid = id >> 32;
-    k.fd = (u32)ctx->args[0];
+    k.tgid = tgid;
+    k.fd = fd;
     struct gw_fd_val *v = gw_fds.lookup(&k);
     if (!v)
-        return 0;
+        return;
     struct gw_tgid_state *st = gw_tgids.lookup(&k.tgid);
     if (st && st->gen == v->tgid_gen) {
 #pragma unroll
@@ -117,6 +131,11 @@ int gw_enter_close(struct gw_sys_enter_args *ctx)
         }
     }
     gw_fds.delete(&k);
+}
+
+int gw_enter_close(struct gw_sys_enter_args *ctx)
+{
+    gw_forget_fd(bpf_get_current_pid_tgid() >> 32, (u32)ctx->args[0]);
     return 0;
 }
 #endif /* GW_IOCTL */

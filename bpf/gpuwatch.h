@@ -32,6 +32,9 @@
 #ifndef GW_MAX_INFLIGHT
 #define GW_MAX_INFLIGHT 4096     /* syscalls / uprobe calls between entry and return, per tid */
 #endif
+#ifndef GW_FORK_FD_SCAN
+#define GW_FORK_FD_SCAN 256      /* device fd numbers copied to a GPU process's child at fork */
+#endif
 #ifndef GW_RINGBUF_PAGES
 #define GW_RINGBUF_PAGES 16      /* rare events only */
 #endif
@@ -104,7 +107,8 @@
 #define GW_STAT_EVENTS_DROPPED 8
 #define GW_STAT_EXITS 9
 #define GW_STAT_READ_FAULTS 10
-#define GW_STAT_COUNT 11
+#define GW_STAT_FORK_FDS_UNSCANNED 11  /* fork of a GPU process with device fds >= GW_FORK_FD_SCAN */
+#define GW_STAT_COUNT 12
 
 /* ---- syscall tracepoint contexts (stable ABI: 8-byte common header, nr, args at 16+8i) -- */
 struct gw_sys_enter_args {
@@ -138,7 +142,7 @@ struct gw_tgid_state {
     __u64 cgroup_id;            /* every charge of this process goes to this cgroup */
     __u64 gen;                  /* unique generation: stale fd/alloc entries never match */
     __u32 gpu_mask;             /* GPU minors (< 16) whose <prefix>N node it opened */
-    __u32 pad;
+    __u32 fd_hi;                /* 1 + highest device fd recorded (bounds the copy at fork) */
     __s64 rm_bytes[GW_DEV_SLOTS];   /* live decoded video memory per device slot */
     __s64 cuda_bytes;           /* live CUDA-API bytes (uprobes) */
 };

@@ -25,8 +25,8 @@ from gpuwatch.probes.layout import BPF_DIR
 
 # concatenated in this order into BCC's main text (BCC only turns main-text functions into
 # programs); the files are used unchanged
-BPF_SOURCES = ("gpuwatch.bpf.c", "common.bpf.c", "devices.bpf.c", "ioctl.bpf.c", "cuda.bpf.c",
-               "lifecycle.bpf.c")
+BPF_SOURCES = ("gpuwatch.bpf.c", "common.bpf.c", "devices.bpf.c", "ioctl.bpf.c", "inherit.bpf.c",
+               "cuda.bpf.c", "lifecycle.bpf.c")
 HEADERS_FALLBACK = Path("/opt/gpuwatch/kernel-headers/current")
 
 TRACEPOINT = "tracepoint"
@@ -41,7 +41,10 @@ PROGRAMS: dict[str, dict[str, str]] = {
     # syscall tracepoints: while any is attached, every syscall takes the kernel's slower
     # traced path, so device-fd tracking is part of this (switchable) group
     "ioctl": {"gw_enter_openat": TRACEPOINT, "gw_exit_openat": TRACEPOINT,
-              "gw_enter_close": TRACEPOINT, "gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT},
+              "gw_enter_close": TRACEPOINT, "gw_enter_ioctl": TRACEPOINT, "gw_exit_ioctl": TRACEPOINT,
+              # device fds from dup/fcntl(F_DUPFD) and fork (inherit.bpf.c)
+              "gw_enter_dup": TRACEPOINT, "gw_enter_dup2": TRACEPOINT, "gw_enter_fcntl": TRACEPOINT,
+              "gw_exit_dup": TRACEPOINT, "gw_task_newtask": TRACEPOINT},
     "alloc": {"gw_cu_alloc": UPROBE, "gw_cu_alloc_pitch": UPROBE, "gw_cu_create": UPROBE,
               "gw_cu_alloc_ret": UPROBE, "gw_cu_free": UPROBE},
     "launch": {"gw_cu_launch": UPROBE, "gw_cu_graph_launch": UPROBE},
@@ -69,6 +72,7 @@ class LoadRequest:
     verbose_events: bool = False
     max_rm_allocs: int = 65536
     max_cuda_allocs: int = 65536
+    max_fds: int = 8192
     extra_cflags: tuple[str, ...] = ()
     unit: str = PROBES_UNIT  # or DEVICE_GATE_UNIT (then the group switches do not apply)
 
@@ -84,6 +88,7 @@ class LoadRequest:
                 f"-DGW_VERBOSE_EVENTS={int(self.verbose_events)}",
                 f"-DGW_MAX_RM_ALLOCS={int(self.max_rm_allocs)}",
                 f"-DGW_MAX_CUDA_ALLOCS={int(self.max_cuda_allocs)}",
+                f"-DGW_MAX_FDS={int(self.max_fds)}",
                 *self.extra_cflags]
 
 

@@ -58,7 +58,8 @@ GW_STAT_CUDA_FREE_UNMATCHED = 7
 GW_STAT_EVENTS_DROPPED = 8
 GW_STAT_EXITS = 9
 GW_STAT_READ_FAULTS = 10
-GW_STAT_COUNT = 11
+GW_STAT_FORK_FDS_UNSCANNED = 11
+GW_STAT_COUNT = 12
 
 GW_GATE_MAX_GPUS = 64
 GW_GATE_MAX_NODES = 256
@@ -68,7 +69,7 @@ GW_GATE_MAX_DEPTH = 32
 STAT_NAMES: tuple[str, ...] = (
     "fd_overflow", "tgid_overflow", "cgroup_overflow", "rm_alloc_overflow",
     "cuda_alloc_overflow", "inflight_overflow", "rm_free_unmatched", "cuda_free_unmatched",
-    "events_dropped", "exits", "read_faults",
+    "events_dropped", "exits", "read_faults", "fork_fds_unscanned",
 )
 
 CONSTANTS: tuple[str, ...] = (
@@ -81,7 +82,7 @@ CONSTANTS: tuple[str, ...] = (
     "GW_STAT_FD_OVERFLOW", "GW_STAT_TGID_OVERFLOW", "GW_STAT_CGROUP_OVERFLOW",
     "GW_STAT_RM_ALLOC_OVERFLOW", "GW_STAT_CUDA_ALLOC_OVERFLOW", "GW_STAT_INFLIGHT_OVERFLOW",
     "GW_STAT_RM_FREE_UNMATCHED", "GW_STAT_CUDA_FREE_UNMATCHED", "GW_STAT_EVENTS_DROPPED",
-    "GW_STAT_EXITS", "GW_STAT_READ_FAULTS", "GW_STAT_COUNT",
+    "GW_STAT_EXITS", "GW_STAT_READ_FAULTS", "GW_STAT_FORK_FDS_UNSCANNED", "GW_STAT_COUNT",
     "GW_GATE_MAX_GPUS", "GW_GATE_MAX_NODES", "GW_GATE_MAX_CGROUPS", "GW_GATE_MAX_DEPTH",
 )
 
@@ -95,7 +96,7 @@ class GwConfig(ctypes.Structure):
 
 
 class GwTgidState(ctypes.Structure):
-    _fields_ = [("cgroup_id", u64), ("gen", u64), ("gpu_mask", u32), ("pad", u32),
+    _fields_ = [("cgroup_id", u64), ("gen", u64), ("gpu_mask", u32), ("fd_hi", u32),
                 ("rm_bytes", s64 * GW_DEV_SLOTS), ("cuda_bytes", s64)]
 
 

@@ -26,7 +26,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
-from gpuwatch.probes import bcc_loader, bpfsys, housekeeping, layout, pinning, uprobes
+from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
 from gpuwatch.probes.cgroupgc import cgroup2_mount
 from gpuwatch.probes.counters import read_counters
 from gpuwatch.probes.elf import ElfError, symbol_offsets
@@ -43,6 +43,16 @@ TRACEPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("gw_enter_close", "syscalls", "sys_enter_close", "ioctl"),
     ("gw_enter_ioctl", "syscalls", "sys_enter_ioctl", "ioctl"),
     ("gw_exit_ioctl", "syscalls", "sys_exit_ioctl", "ioctl"),
+    # device fds a process gets without an open (bpf/inherit.bpf.c)
+    ("gw_enter_dup", "syscalls", "sys_enter_dup", "ioctl"),
+    ("gw_enter_dup2", "syscalls", "sys_enter_dup2", "ioctl"),
+    ("gw_enter_dup2", "syscalls", "sys_enter_dup3", "ioctl"),
+    ("gw_enter_fcntl", "syscalls", "sys_enter_fcntl", "ioctl"),
+    ("gw_exit_dup", "syscalls", "sys_exit_dup", "ioctl"),
+    ("gw_exit_dup", "syscalls", "sys_exit_dup2", "ioctl"),
+    ("gw_exit_dup", "syscalls", "sys_exit_dup3", "ioctl"),
+    ("gw_exit_dup", "syscalls", "sys_exit_fcntl", "ioctl"),
+    ("gw_task_newtask", "task", "task_newtask", "ioctl"),
 )
 
 _P = ParamSpec("_P")
@@ -83,6 +93,11 @@ class ProbeConfig:
     cgroup_gc_interval_s: float = 60.0  # drop counters of removed cgroups this often
     cgroup_root: str | None = None  # cgroup v2 mount (None: from /proc/self/mounts)
     proc_root: str = "/proc"
+    max_fds: int = 8192  # tracked (tgid, fd) device descriptors (gw_fds bound)
+    # device fds opened before the probes attached are seeded from /proc at start and again
+    # this often (catches opens in flight during the attach and fds beyond the fork copy);
+    # 0: at start only
+    fd_seed_interval_s: float = 30.0
 
 
 @dataclass
@@ -130,6 +145,8 @@ class ProbeManager:
         self._last_gc = time.monotonic()
         self._last_full_scan = 0.0
         self._last_sweep = 0.0
+        self._last_seed = 0.0
+        self.seed_totals = fdseed.SeedReport()
         self.load_s = 0.0
         self.attach_s = 0.0
         self.notes: list[str] = []
@@ -149,7 +166,8 @@ class ProbeManager:
                                          launch_uprobes=cfg.launch_uprobes,
                                          verbose_events=cfg.verbose_events,
                                          max_rm_allocs=cfg.max_rm_allocs,
-                                         max_cuda_allocs=cfg.max_cuda_allocs)
+                                         max_cuda_allocs=cfg.max_cuda_allocs,
+                                         max_fds=cfg.max_fds)
         self._objs = bcc_loader.load_programs(request)
         self.notes.extend(self._objs.notes)
         self.load_s = time.monotonic() - t0
@@ -165,6 +183,8 @@ class ProbeManager:
                 if group == "ioctl" and not cfg.ioctl:
                     continue
                 self._tp_fds.append(bpfsys.attach_tracepoint(self._objs.progs[prog], category, name))
+            if cfg.ioctl:  # after attaching: an fd opened from now on is seen by the tracepoints
+                self.seed_fds()
             if cfg.alloc_uprobes or cfg.launch_uprobes:
                 self.rescan()
             self.attach_s = time.monotonic() - t1
@@ -294,6 +314,9 @@ class ProbeManager:
         for idx, name in enumerate(layout.STAT_NAMES):
             raw = m.lookup(struct.pack("<I", idx))
             out[name] = struct.unpack("<Q", raw[:8])[0] if raw else 0
+        # seeding from /proc happens in user space: what did not fit is counted here
+        out["fd_seed_overflow"] = self.seed_totals.fd_overflow
+        out["fd_seed_tgid_overflow"] = self.seed_totals.tgid_overflow
         return out
 
     def _gpu_tgids(self) -> set[int]:
@@ -319,6 +342,7 @@ class ProbeManager:
         """One read of every per-cgroup map -> one ProbeCounters per cgroup seen (and, as
         housekeeping, sweep stale entries and attach uprobes to new libcuda copies)."""
         self._maybe_sweep()
+        self._maybe_seed()
         self._attach_new_gpu_processes()
         return read_counters(self._maps, launches_on=self.config.launch_uprobes,
                              cuda_on=self.config.alloc_uprobes)
@@ -353,6 +377,30 @@ class ProbeManager:
     @_locked
     def clear_limit(self, cgroup_id: int) -> None:
         self._map("gw_limits").delete(struct.pack("<Q", cgroup_id))
+
+    # ---- device fds opened before the probes attached ----------------------------------------
+    @_locked
+    def seed_fds(self) -> fdseed.SeedReport:
+        """Record the device fds of processes that opened them before the probes attached
+        (walks /proc; see fdseed.py for the race with the tracepoints and how it is closed).
+        Idempotent; returns this pass's report and adds it to `seed_totals`."""
+        root = Path(self.config.cgroup_root) if self.config.cgroup_root else cgroup2_mount()
+        self._last_seed = time.monotonic()
+        if root is None or not self.config.ioctl:
+            return fdseed.SeedReport()
+        seeder = fdseed.Seeder(self._map("gw_fds"), self._map("gw_tgids"), Path(self.config.proc_root),
+                               root, self.config.device_prefix)
+        report = seeder.seed()
+        self.seed_totals.add(report)
+        if report.fd_overflow or report.tgid_overflow:
+            self.notes.append(f"fd seeding: {report.fd_overflow} device fds of {report.tgid_overflow} "
+                              "processes did not fit in the bounded maps (gw_fds/gw_tgids)")
+        return report
+
+    def _maybe_seed(self) -> None:
+        interval = self.config.fd_seed_interval_s
+        if self.config.ioctl and interval > 0 and time.monotonic() - self._last_seed >= interval:
+            self.seed_fds()
 
     # ---- housekeeping ---------------------------------------------------------------------
     def _maybe_sweep(self) -> None:
