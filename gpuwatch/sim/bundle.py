@@ -86,7 +86,8 @@ def _bind(path: str, readonly: bool) -> dict[str, Any]:
 
 def build_config(*, argv: list[str], env: dict[str, str], cgroups_path: str, hostname: str,
                  ro_binds: list[str], rw_binds: list[str], annotations: dict[str, str],
-                 new_network: bool = False, cwd: str = "/") -> dict[str, Any]:
+                 new_network: bool = False, cwd: str = "/",
+                 device_rules: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An OCI runtime-spec 1.0 config.json for runc, built from scratch.
 
     Rootfs is the bundle's empty `rootfs` dir, read-only. `ro_binds`/`rw_binds` are host
@@ -94,7 +95,10 @@ def build_config(*, argv: list[str], env: dict[str, str], cgroups_path: str, hos
     a bind of e.g. /dev/shm replaces the container's own tmpfs there). New pid, mount,
     ipc and uts namespaces; the network namespace is the host's unless `new_network`
     (then runc brings up loopback only). `env` entries are `KEY=VALUE` as given, with PATH
-    and PYTHONUNBUFFERED=1 added unless the caller set them.
+    and PYTHONUNBUFFERED=1 added unless the caller set them. `device_rules` are OCI
+    `linux.resources.devices` entries added after the deny-all (e.g. `{"allow": True,
+    "type": "c", "major": 195, "access": "rwm"}`, what the NVIDIA toolkit adds for GPUs);
+    runc adds its default devices (null, zero, tty...) itself.
     """
     full_env = {"PATH": DEFAULT_PATH, "PYTHONUNBUFFERED": "1", "HOME": "/root", **env}
     bind_targets = {p.rstrip("/") or "/" for p in ro_binds + rw_binds}
@@ -139,7 +143,7 @@ def build_config(*, argv: list[str], env: dict[str, str], cgroups_path: str, hos
         "annotations": dict(annotations),
         "linux": {
             "cgroupsPath": cgroups_path,
-            "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+            "resources": {"devices": [{"allow": False, "access": "rwm"}, *(device_rules or [])]},
             "namespaces": namespaces,
             "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys",
                             "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",

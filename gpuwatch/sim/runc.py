@@ -63,7 +63,8 @@ class ContainerSpec:
     `runtime` is "k8s", "docker" or "cgroup". `annotations` are added to the generated
     ones (k8s: config.json annotations; docker: labels). `cgroup_path` is only for the
     "cgroup" runtime (default /gpuwatch-test/<name>). `ro_binds` are host paths mounted
-    read-only at the same path (e.g. the sim's C build cache).
+    read-only at the same path (e.g. the sim's C build cache). `device_rules` are OCI device
+    cgroup rules added to config.json (runc runtimes only; see bundle.build_config).
     """
 
     name: str
@@ -77,6 +78,7 @@ class ContainerSpec:
     annotations: dict[str, str] = field(default_factory=dict)
     cgroup_path: str | None = None
     ro_binds: list[str] = field(default_factory=list)
+    device_rules: list[dict[str, Any]] = field(default_factory=list)
 
 
 def find_runc(search_path: str | None = None) -> str:
@@ -402,6 +404,7 @@ class ContainerLab:
                 ro_binds=ro_binds,
                 rw_binds=list(spec.extra_binds),
                 annotations=annotations,
+                device_rules=list(spec.device_rules),
             )
             _write_json(bundle_dir / "config.json", config)
             self.runc_root.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from gpuwatch.probes.devicegate import BpfDeviceGate
 from gpuwatch.probes.devnodes import resolve_gpu_nodes
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
-from tests.conftest import need, need_bcc
+from tests.conftest import need, need_bcc, need_binary
 from tests.system.enforce_lab import GIB, snapshot
 
 pytestmark = [pytest.mark.root]
@@ -305,17 +305,23 @@ rules:
 """
 
 
-def test_enforcer_rule_gates_a_container(env: Env, tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["k8s", "cgroup"])
+def test_enforcer_rule_gates_a_container(env: Env, tmp_path: Path, runtime: str) -> None:
     """End to end: probes started, build_enforcer wires the gate, a policy rule's
-    `limits.devices` reaches the kernel for a container's cgroup, and is lifted when the
-    container leaves the snapshot. Runtime "cgroup" (a process in its own v2 cgroup): runc's
-    own v1 devices controller denies 195:* in runc containers here (its spec allows only the
-    default devices), which would hide the gate's verdicts."""
+    `limits.devices` reaches the kernel for a container's cgroup, is lifted when the
+    container leaves the snapshot and is gone with the enforcer.
+
+    "k8s": a runc container. runc's own v1 devices controller denies 195:* unless the spec
+    allows it (what the NVIDIA toolkit adds), so the spec allows `c 195:* rwm` and the two
+    layers compose: runc lets the GPUs through, the gate narrows them to GPU 0.
+    "cgroup": a plain process in its own v2 cgroup (no v1 devices rules at all)."""
+    if runtime == "k8s":
+        need_binary("runc", "runc")
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     probes = ProbeManager(ProbeConfig(device_prefix=env.prefix, ioctl=False, alloc_uprobes=False))
     probes.start()
-    lab = ContainerLab(tmp_path / "lab")
+    lab = ContainerLab(tmp_path / "lab", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
     enforcer = None
     try:
         enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", probes=probes,
@@ -324,13 +330,19 @@ def test_enforcer_rule_gates_a_container(env: Env, tmp_path: Path) -> None:
         assert isinstance(gate, BpfDeviceGate)
         ctl = tmp_path / "ctl"
         prober = Prober(ctl, env.paths)
-        container = lab.run(ContainerSpec(name="trainer", argv=prober.argv, runtime="cgroup",
-                                          cgroup_path=f"{env.top.name}/trainer"))
-        who = ContainerIdentity(runtime="cgroup", cgroup_path=container.cgroup_path,
+        if runtime == "k8s":
+            spec = ContainerSpec(name="trainer", namespace="ml", argv=prober.argv,
+                                 extra_binds=[str(env.devdir), str(ctl)],
+                                 device_rules=[{"allow": True, "type": "c", "major": 195, "access": "rwm"}])
+        else:
+            spec = ContainerSpec(name="trainer", argv=prober.argv, runtime="cgroup",
+                                 cgroup_path=f"{env.top.name}/trainer")
+        container = lab.run(spec)
+        who = ContainerIdentity(runtime=runtime, cgroup_path=container.cgroup_path,
                                 container_id=container.id, container_name="trainer",
                                 pod_name="trainer-0", pod_namespace="ml",
                                 cgroup_id=container.v2_dir.stat().st_ino)
-        assert prober.probe()["nvidia1"] == ALLOWED
+        assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": ALLOWED, "nvidiactl": ALLOWED}
         enforcer.on_snapshot(snapshot((who, GIB)))
         assert attached(container.v2_dir) == (gate.prog_id(),)
         assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": DENIED, "nvidiactl": ALLOWED}
