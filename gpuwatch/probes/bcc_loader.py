@@ -6,6 +6,8 @@ and program file descriptors back over a Unix socket (SCM_RIGHTS) and exits; the
 attaches and reads maps with plain bpf() syscalls (bpfsys.py) and never maps LLVM.
 
 Parent side: `load_programs(request)`. Child side: `python -m gpuwatch.probes.bcc_loader FD`.
+Two compilation units: "probes" (bpf/ above, the default) and "devicegate" (the cgroup
+device program of device isolation, bpf/devicegate.bpf.c; LoadRequest(unit=...)).
 """
 
 from __future__ import annotations
