@@ -10,6 +10,9 @@
  *   dlopen PATH | cualloc SIZE COUNT | cufree COUNT | cupitch WIDTH HEIGHT | cucreate SIZE
  *   curelease | culaunch COUNT | cugraph COUNT | pause (prints "ready", waits for a line)
  *   exec (re-exec itself with the remaining commands; device fds are O_CLOEXEC)
+ *   opens NAME COUNT | dup FDI | dup2 FDI NEWFD (a number) | dupover FDI FDJ (dup2 onto fds[FDJ])
+ *   dupfd FDI MIN (fcntl F_DUPFD_CLOEXEC)      each new fd is appended to the fd list
+ *   fork (the child runs the remaining commands; the parent waits and exits with its status)
  */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -18,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define NV_IOCTL_MAGIC 'F'
@@ -41,7 +45,7 @@ typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigne
                          unsigned, void *, void **, void **);
 typedef int (*graph_fn)(void *, void *);
 
-static int fds[64];
+static int fds[1024];
 static int nfds;
 static uint64_t ptrs[1 << 16];
 static int nptrs;
@@ -83,6 +87,43 @@ int main(int argc, char **argv)
             int fd = open(path, O_RDWR | O_CLOEXEC);  /* as libcuda does */
             if (fd < 0) die(path);
             fds[nfds++] = fd;
+        } else if (!strcmp(c, "opens")) {
+            char path[512];
+            snprintf(path, sizeof(path), "%s%s", prefix, argv[i + 1]);
+            long n = atol(argv[i + 2]);
+            i += 2;
+            for (long k = 0; k < n && nfds < 1024; k++) {
+                int fd = open(path, O_RDWR | O_CLOEXEC);
+                if (fd < 0) die(path);
+                fds[nfds++] = fd;
+            }
+        } else if (!strcmp(c, "dup")) {
+            int fd = dup(fds[atoi(argv[++i])]);
+            if (fd < 0) die("dup");
+            fds[nfds++] = fd;
+        } else if (!strcmp(c, "dup2")) {
+            int fd = dup2(fds[atoi(argv[i + 1])], atoi(argv[i + 2]));
+            i += 2;
+            if (fd < 0) die("dup2");
+            fds[nfds++] = fd;
+        } else if (!strcmp(c, "dupover")) {
+            int fd = dup2(fds[atoi(argv[i + 1])], fds[atoi(argv[i + 2])]);
+            i += 2;
+            if (fd < 0) die("dup2");
+        } else if (!strcmp(c, "dupfd")) {
+            int fd = fcntl(fds[atoi(argv[i + 1])], F_DUPFD_CLOEXEC, atoi(argv[i + 2]));
+            i += 2;
+            if (fd < 0) die("fcntl");
+            fds[nfds++] = fd;
+        } else if (!strcmp(c, "fork")) {
+            fflush(stdout);
+            pid_t child = fork();
+            if (child < 0) die("fork");
+            if (child > 0) {
+                int status = 0;
+                if (waitpid(child, &status, 0) < 0) die("waitpid");
+                return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+            }
         } else if (!strcmp(c, "close")) {
             close(fds[atoi(argv[++i])]);
         } else if (!strcmp(c, "ioctl")) {
