@@ -219,3 +219,36 @@ def test_unsafe_webhook_configurations_are_refused(tmp_path: Path, extra: list[s
         env=env, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_agent_started_after_the_pods_counts_their_later_allocations_only(
+        tmp_path: Path, agent_env: dict[str, str]) -> None:
+    """Pods first, agent after (an agent restart on a busy node): the probes seed the device fds
+    the pods opened before, so a pod that keeps allocating is counted from the agent's start;
+    what was allocated before is unknown to the probes and not invented (NVML has it all)."""
+    port = free_port()
+    leaker = demo.DemoWorkload("ml-team", "leaker-0", "leaker", gpu=0, memory_mib=64, duty=0.0)
+    steps = 60
+    with pods(tmp_path / "node") as p:
+        leak = p.lab.run(demo.container_spec(leaker, p.sim, extra_argv=(
+            "--leak", "--steps", str(steps), "--interval-s", "0.3")))
+        wait_until(lambda: "progress" in leak.logs(), 20, "the leaker's first allocation")
+        env = {**agent_env, "GPUWATCH_SIM_STATE": str(p.sim.state_path)}
+        with running_agent(agent_argv(p.sim, tmp_path / "node", port, tmp_path), env,
+                           tmp_path / "agent.log", port):
+            def leaker_done_and_counted() -> bool:
+                text = scrape(port)
+                allocs = sample(text, "gpuwatch_container_allocations_total", pod="leaker-0")
+                live = sample(text, "gpuwatch_container_allocated_bytes", pod="leaker-0", gpu="0")
+                nvml = sample(text, "gpuwatch_container_memory_bytes", pod="leaker-0")
+                return ("ready" in leak.logs() and nvml == steps * 64 * MIB and allocs is not None
+                        and live == allocs * 64 * MIB)
+            wait_until(leaker_done_and_counted, 60, "the leaker's allocations in /metrics")
+            text = scrape(port)
+            allocs = sample(text, "gpuwatch_container_allocations_total", pod="leaker-0")
+            assert allocs is not None and 0 < allocs < steps, allocs  # some were before the agent
+            assert sample(text, "gpuwatch_container_allocated_bytes", pod="leaker-0", gpu="0") == allocs * 64 * MIB
+            for w in demo.DEFAULT_WORKLOADS:  # allocated before the agent, nothing since
+                assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) in (None, 0), w
+                assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) in (None, 0), w
+                assert sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) == w.memory_mib * MIB, w
