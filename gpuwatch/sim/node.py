@@ -289,14 +289,18 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
 def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:
     """Remove a node's state file and sim root. Returns False when it was not up.
 
-    Workloads still running keep their mapping of the removed state and see no change;
-    nothing new can attach to the node."""
+    Like a driver unload: every device is marked lost first, so processes that still map
+    the removed state (an agent's NVML, running workloads) see their GPUs gone instead of
+    a node that silently froze in time; nothing new can attach to the node."""
     _check_name(name)
     state = state_path or state_path_for(name)
     root: Path | None = None
     if state.exists():
         try:
-            root = get_node(name, state_path=state).root
+            node = get_node(name, state_path=state)
+            root = node.root
+            for gpu in range(node.device_count):
+                inject_fault(node, "lost", gpu)
         except SimError:
             root = None
         state.unlink(missing_ok=True)

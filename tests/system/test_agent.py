@@ -252,3 +252,57 @@ def test_agent_started_after_the_pods_counts_their_later_allocations_only(
                 assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) in (None, 0), w
                 assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) in (None, 0), w
                 assert sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) == w.memory_mib * MIB, w
+
+
+def test_kernel_seconds_track_busy_time_and_stopped_pods_vanish(tmp_path: Path, agent_env: dict[str, str]) -> None:
+    """kernel_seconds_total grows like the busy time the workloads really did (within 10%), and a
+    stopped container's series are gone within two sample intervals."""
+    port = free_port()
+    with pods(tmp_path / "node") as p:
+        env = {**agent_env, "GPUWATCH_SIM_STATE": str(p.sim.state_path)}
+        with running_agent(agent_argv(p.sim, tmp_path / "node", port, tmp_path, "--no-probes"), env,
+                           tmp_path / "agent.log", port):
+            def kernel_and_busy() -> dict[str, tuple[float, float]]:
+                text = scrape(port)
+                busy = {s.host_pid: s.busy_seconds_total for s in simnode.status(p.sim).processes}
+                out = {}
+                for w in demo.DEFAULT_WORKLOADS:
+                    c = p.by_pod(w.pod)
+                    kernel = sample(text, "gpuwatch_container_kernel_seconds_total", pod=w.pod)
+                    out[w.pod] = (kernel or 0.0, busy.get(c.host_pid, 0.0))
+                return out
+
+            wait_until(lambda: all(k > 0 for k, _ in kernel_and_busy().values()), 20, "kernel seconds")
+            first = kernel_and_busy()
+            time.sleep(6)
+            second = kernel_and_busy()
+            for pod, (kernel, busy) in second.items():
+                d_kernel, d_busy = kernel - first[pod][0], busy - first[pod][1]
+                assert d_busy > 0.5, (pod, d_busy)
+                assert abs(d_kernel - d_busy) <= 0.10 * d_busy, (pod, d_kernel, d_busy)
+
+            notebook = p.by_pod("notebook-1")
+            notebook.stop()
+            stopped_at = time.monotonic()
+            wait_until(lambda: sample(scrape(port), "gpuwatch_container_memory_bytes", pod="notebook-1") is None,
+                       5, "the stopped pod's series to disappear")
+            assert time.monotonic() - stopped_at <= 2 * 0.5 + 1.0  # two intervals + scrape/poll slack
+            text = scrape(port)
+            assert sample(text, "gpuwatch_container_memory_bytes", pod="server-0") is not None
+
+
+def test_nvml_failing_mid_run_keeps_the_agent_up(tmp_path: Path, agent_env: dict[str, str]) -> None:
+    """The simulated driver goes away (sim down): the agent keeps serving and says NVML is down."""
+    port = free_port()
+    with sim_node(tmp_path / "node") as sim:
+        env = {**agent_env, "GPUWATCH_SIM_STATE": str(sim.state_path)}
+        with running_agent(agent_argv(sim, tmp_path / "node", port, tmp_path, "--no-probes"), env,
+                           tmp_path / "agent.log", port) as agent:
+            wait_until(lambda: sample(scrape(port), "gpuwatch_gpu_backend_up") == 1, 20, "NVML up")
+            simnode.down(sim.name, state_path=sim.state_path)
+            wait_until(lambda: sample(scrape(port), "gpuwatch_gpu_backend_up") == 0, 20, "NVML reported down")
+            time.sleep(1.5)
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+            text = scrape(port)
+            assert sample(text, "gpuwatch_gpu_backend_up") == 0
+            assert sample(text, "gpuwatch_gpu_memory_total_bytes") is None  # no stale device data
