@@ -2,7 +2,9 @@
 
 Lifecycle: `start()` has bcc_loader compile and load bpf/ in a short-lived child that passes
 the map/program fds back; the manager writes the configuration map, attaches the syscall and
-sched tracepoints with perf events and the libcuda uprobes per library inode. `read()` reads
+sched tracepoints with perf events, then seeds the device fds that running processes opened
+before (fdseed.py: attach first, so nothing opened in between is lost), then attaches the
+libcuda uprobes per library inode. read() seeds again every fd_seed_interval_s. `read()` reads
 the per-cgroup maps once per interval into ProbeCounters; `poll_events()` drains the ring
 buffer of rare events. `stop()` closes every fd (= detach and unload); it is idempotent and
 also runs at interpreter exit. If the process dies any other way (SIGTERM default action,
