@@ -23,6 +23,7 @@ from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapsh
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
 MIB, GIB = 1024**2, 1024**3
@@ -41,19 +42,8 @@ rules:
 
 @pytest.fixture
 def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
-    state_dir = tmp_path / "shm"
-    state_dir.mkdir()
-    node = simnode.up(
-        devices=1,
-        memory_bytes=5 * GIB,
-        name=f"dl{os.getpid()}",
-        state_path=state_dir / "state",
-        root=tmp_path / "simroot",
-    )
-    try:
+    with private_node(tmp_path, devices=1, memory_bytes=5 * GIB) as node:
         yield node
-    finally:
-        simnode.down(node.name, state_path=node.state_path)
 
 
 def start(lab: ContainerLab, sim: simnode.SimNode, markers: Path, pod: str) -> RunningContainer:

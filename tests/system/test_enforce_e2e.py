@@ -20,6 +20,7 @@ import pytest
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.slow]
 MIB = 1024**2
@@ -65,19 +66,8 @@ sampler.stop()
 
 @pytest.fixture
 def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
-    state_dir = tmp_path / "shm"
-    state_dir.mkdir()
-    node = simnode.up(
-        devices=1,
-        memory_bytes=4096 * MIB,
-        name=f"e2e{os.getpid()}",
-        state_path=state_dir / "state",
-        root=tmp_path / "simroot",
-    )
-    try:
+    with private_node(tmp_path, devices=1, memory_bytes=4096 * MIB) as node:
         yield node
-    finally:
-        simnode.down(node.name, state_path=node.state_path)
 
 
 def test_over_limit_container_is_killed_through_the_real_pipeline(sim: simnode.SimNode, tmp_path: Path) -> None:

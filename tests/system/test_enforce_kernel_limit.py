@@ -4,7 +4,6 @@ over-limit allocation in a runc pod on the simulated node is killed before it ha
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapsh
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
 MIB = 1024**2
@@ -37,19 +37,8 @@ rules:
 
 @pytest.fixture
 def sim(tmp_path: Path, runc_required: str, bcc_required: None) -> Iterator[simnode.SimNode]:
-    state_dir = tmp_path / "shm"
-    state_dir.mkdir()
-    node = simnode.up(
-        devices=1,
-        memory_bytes=4096 * MIB,
-        name=f"kl{os.getpid()}",
-        state_path=state_dir / "state",
-        root=tmp_path / "simroot",
-    )
-    try:
+    with private_node(tmp_path, devices=1, memory_bytes=4096 * MIB) as node:
         yield node
-    finally:
-        simnode.down(node.name, state_path=node.state_path)
 
 
 def identity_of(c: RunningContainer) -> ContainerIdentity:

@@ -7,7 +7,6 @@ so this checks that the enforcer's cgroup handling fits what runc creates on thi
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from gpuwatch.model import ContainerIdentity
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.system.enforce_lab import GIB, snapshot
+from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
 MIB = 1024**2
@@ -45,19 +45,8 @@ rules:
 
 @pytest.fixture
 def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
-    state_dir = tmp_path / "shm"
-    state_dir.mkdir()
-    node = simnode.up(
-        devices=1,
-        memory_bytes=4096 * MIB,
-        name=f"enf{os.getpid()}",
-        state_path=state_dir / "state",
-        root=tmp_path / "simroot",
-    )
-    try:
+    with private_node(tmp_path, devices=1, memory_bytes=4096 * MIB) as node:
         yield node
-    finally:
-        simnode.down(node.name, state_path=node.state_path)
 
 
 @pytest.fixture
