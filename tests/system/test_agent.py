@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port, run_alertmanager, run_prometheus
+from tests.system.sim_helpers import private_node
 
 TOKEN = "agent-test-token-0123456789abcdef"
 MIB = 1 << 20
@@ -46,11 +46,8 @@ class Pods:
 
 @contextmanager
 def sim_node(base: Path) -> Iterator[simnode.SimNode]:
-    name = f"a{uuid.uuid4().hex[:10]}"
-    state = Path("/dev/shm") / f"gpuwatch-sim-{name}"
-    with ExitStack() as stack:
-        sim = simnode.up(devices=2, name=name, state_path=state, root=base / "simroot")
-        stack.callback(simnode.down, name, state_path=state)
+    """A private two-GPU simulated node (unique state file), always taken down."""
+    with private_node(base, devices=2) as sim:
         yield sim
 
 
