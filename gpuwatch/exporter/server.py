@@ -2,8 +2,11 @@
 snapshot source is given, `/snapshot.json` (so `gpuwatch top` can attach to a running
 agent instead of sampling on its own).
 
-It is prometheus_client's WSGI exposition app (content negotiation, gzip, OpenMetrics)
-behind a small path dispatcher, served by a threading wsgiref server in a daemon thread.
+`/metrics` is always the Prometheus text format (0.0.4), rendered by
+`exposition.render_text` (prometheus_client's format, several times cheaper at node
+scale); Prometheus accepts it whatever it prefers. `?format=openmetrics` (or an Accept
+header naming only OpenMetrics) goes to prometheus_client's own WSGI app. Served by a
+threading wsgiref server in a daemon thread.
 The default address is loopback; exposing it (0.0.0.0 in the DaemonSet) is the caller's
 explicit choice.
 """
@@ -19,6 +22,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
 from gpuwatch.exporter.snapshot_json import snapshot_to_json
 from gpuwatch.model import Snapshot
 
@@ -50,7 +54,13 @@ def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | Non
                                       ("Content-Length", str(len(body)))])
             return [body]
         if path in ("/metrics", "/"):
-            return metrics_app(environ, start_response)
+            accept = environ.get("HTTP_ACCEPT", "")
+            if "format=openmetrics" in environ.get("QUERY_STRING", "") or (
+                    "openmetrics" in accept and "text/plain" not in accept and "*/*" not in accept):
+                return metrics_app(environ, start_response)
+            body = render_text(registry)
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+            return [body]
         body = b"not found: try /metrics" + (b" or /snapshot.json" if get_snapshot else b"") + b"\n"
         start_response("404 Not Found", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
         return [body]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ class _Device:
     unsupported: set[str] = field(default_factory=set)
     last_util_timestamp_us: int = 0
     held_util: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (ratio, seen_s)
+    buffers: dict[str, tuple[int, Any]] = field(default_factory=dict)  # NVML function -> (capacity, array)
+    process_objects: dict[tuple[Any, ...], GpuProcess] = field(default_factory=dict)
     xid_errors_total: int = 0
     fatal_xid: bool = False
     lost: bool = False  # GPU_IS_LOST seen in the current sweep
@@ -421,42 +424,52 @@ class NvmlBackend:
             simulated=dev.name.startswith(SIM_NAME_PREFIX),
         )
 
-    def _process_list(self, dev: _Device, kind: str) -> list[Any]:
-        v3 = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses_v3")
-        v2 = getattr(pynvml, f"nvmlDeviceGet{kind}RunningProcesses_v2")
+    def _process_list(self, dev: _Device, kind: str) -> list[tuple[int, ...]]:
+        """(pid, usedGpuMemory) of one running-process list, v3 entry point with v2 fallback."""
         what = f"{kind.lower()}_processes"
-        if dev.lost:
+        if dev.lost or what in dev.unsupported:
             return []
-        if f"{what}_v3" not in dev.unsupported:
+        for version in ("_v3", "_v2"):
+            if f"{what}{version}" in dev.unsupported:
+                continue
             try:
-                return list(v3(dev.handle))
+                return _list_call(dev, f"nvmlDeviceGet{kind}RunningProcesses{version}", _ProcessInfo,
+                                  _PROCESS_INFO)
             except pynvml.NVMLError as err:
                 if err.value != _FUNCTION_NOT_FOUND:
                     self._field(dev, what, _raise, err)
                     return []
-                dev.unsupported.add(f"{what}_v3")
-        return list(self._field(dev, what, v2, dev.handle) or [])
+                dev.unsupported.add(f"{what}{version}")
+        dev.unsupported.add(what)
+        return []
 
     def _read_processes(self, dev: _Device, now_s: float) -> list[GpuProcess]:
         merged: dict[int, tuple[int | None, ProcessKind]] = {}
         for kind, pkind in (("Graphics", ProcessKind.GRAPHICS), ("Compute", ProcessKind.COMPUTE)):
-            for proc in self._process_list(dev, kind):
-                memory = proc.usedGpuMemory
-                if memory is not None and int(memory) == _VALUE_NOT_AVAILABLE:
-                    memory = None
-                previous = merged.get(int(proc.pid))
+            for pid, used in self._process_list(dev, kind):
+                memory: int | None = None if used == _VALUE_NOT_AVAILABLE else used
+                previous = merged.get(pid)
                 kept = previous[0] if previous is not None else None
                 if kept is not None and (memory is None or kept > memory):
                     memory = kept  # listed as both (C+G): one allocation, keep the larger
-                merged[int(proc.pid)] = (None if memory is None else int(memory), pkind)
+                merged[pid] = (memory, pkind)
         utils = self._read_process_utilization(dev, now_s, merged) if not dev.is_mig else {}
         for pid in utils:
             merged.setdefault(pid, (None, ProcessKind.COMPUTE))
-        return [
-            GpuProcess(pid=pid, gpu_uuid=dev.uuid, gpu_index=dev.index, memory_bytes=memory,
-                       kind=kind, sm_utilization_ratio=utils.get(pid))
-            for pid, (memory, kind) in merged.items()
-        ]
+        # Reuse last sweep's (immutable) objects for unchanged processes: most hold the same
+        # memory and share from one sweep to the next, and building them is most of the cost.
+        reuse, current = dev.process_objects, {}
+        out: list[GpuProcess] = []
+        for pid, (memory, kind) in merged.items():
+            key = (pid, memory, kind, utils.get(pid))
+            proc = reuse.get(key)
+            if proc is None:
+                proc = GpuProcess(pid=pid, gpu_uuid=dev.uuid, gpu_index=dev.index, memory_bytes=memory,
+                                  kind=kind, sm_utilization_ratio=key[3])
+            current[key] = proc
+            out.append(proc)
+        dev.process_objects = current
+        return out
 
     def _read_process_utilization(self, dev: _Device, now_s: float,
                                   listed: dict[int, Any]) -> dict[int, float]:
@@ -466,31 +479,92 @@ class NvmlBackend:
         up to `util_hold_s` (NVML samples processes at its own period, which may be longer
         than our interval). A pid no longer listed gets nothing held: it has exited.
         """
-        fresh: dict[int, list[int]] = {}
+        fresh: dict[int, float] = {}
         if "process_utilization" not in dev.unsupported and not dev.lost:
             try:
-                samples = pynvml.nvmlDeviceGetProcessUtilization(dev.handle, dev.last_util_timestamp_us)
+                samples = _list_call(dev, "nvmlDeviceGetProcessUtilization", _UtilSample, _UTIL_SAMPLE,
+                                     last_seen_us=dev.last_util_timestamp_us)
             except pynvml.NVMLError as err:
-                if err.value not in (_NOT_FOUND, pynvml.NVML_SUCCESS):  # no new samples is fine
+                if err.value != _NOT_FOUND:  # NOT_FOUND: no samples newer than last-seen
                     self._field(dev, "process_utilization", _raise, err)
                 samples = []
             newest = dev.last_util_timestamp_us
-            for sample in samples:
-                fresh.setdefault(int(sample.pid), []).append(int(sample.smUtil))
-                newest = max(newest, int(sample.timeStamp))
+            percent: dict[int, int] = {}
+            several: dict[int, list[int]] = {}  # pids with more than one sample: averaged
+            for pid, timestamp_us, sm_percent in samples:
+                if pid in percent:
+                    several.setdefault(pid, [percent[pid]]).append(sm_percent)
+                percent[pid] = sm_percent
+                if timestamp_us > newest:
+                    newest = timestamp_us
+            fresh = {pid: min(p, 100) / 100.0 for pid, p in percent.items()}
+            for pid, values in several.items():
+                fresh[pid] = min(1.0, sum(values) / len(values) / 100.0)
             dev.last_util_timestamp_us = newest
-        for pid, values in fresh.items():
-            ratio = min(1.0, max(0.0, sum(values) / len(values) / 100.0))
-            dev.held_util[pid] = (ratio, now_s)
-        result: dict[int, float] = {}
-        for pid, (ratio, seen_s) in list(dev.held_util.items()):
-            if pid in fresh:
-                result[pid] = ratio
-            elif now_s - seen_s > self._util_hold_s or pid not in listed:
-                del dev.held_util[pid]
-            else:
-                result[pid] = ratio
+        held = dev.held_util
+        hold_s = self._util_hold_s
+        kept = {pid: (ratio, seen_s) for pid, (ratio, seen_s) in held.items()
+                if pid not in fresh and pid in listed and now_s - seen_s <= hold_s}
+        result = {pid: ratio for pid, (ratio, _) in kept.items()}
+        result.update(fresh)
+        kept.update((pid, (ratio, now_s)) for pid, ratio in fresh.items())
+        dev.held_util = kept
         return result
+
+
+class _ProcessInfo(ctypes.Structure):
+    """nvmlProcessInfo_v2_t / _v3_t (same layout). Plain ctypes: pynvml's printable
+    structures route every field read through Python __getattribute__ (slow at scale)."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+
+class _UtilSample(ctypes.Structure):
+    """nvmlProcessUtilizationSample_t."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("timeStamp", ctypes.c_ulonglong), ("smUtil", ctypes.c_uint),
+                ("memUtil", ctypes.c_uint), ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
+
+
+# Decoders over the raw arrays (native alignment, checked against ctypes below):
+# (pid, usedGpuMemory) and (pid, timeStamp, smUtil).
+_PROCESS_INFO = struct.Struct("@IQII")
+_UTIL_SAMPLE = struct.Struct("@IQIIII")
+assert _PROCESS_INFO.size == ctypes.sizeof(_ProcessInfo) and _UTIL_SAMPLE.size == ctypes.sizeof(_UtilSample)
+
+
+def _list_call(dev: _Device, function: str, struct_type: type[ctypes.Structure], layout: struct.Struct,
+               last_seen_us: int | None = None) -> list[tuple[int, ...]]:
+    """One NVML list query with a per-device buffer reused across sweeps.
+
+    pynvml's wrappers ask for the size, allocate, then ask again (two driver calls and
+    Python objects per entry); here the buffer is kept big enough that one call
+    usually suffices. Returns (pid, memory) or (pid, timestamp, sm%) tuples; raises
+    pynvml.NVMLError like pynvml does.
+    """
+    fn = pynvml._nvmlGetFunctionPointer(function)  # same lookup pynvml's own wrappers use
+    capacity, buffer = dev.buffers.get(function, (0, None))
+    for _ in range(3):  # the list may grow between calls; give up after a few tries
+        if buffer is None:
+            capacity = max(capacity, 32)
+            buffer = (struct_type * capacity)()
+            dev.buffers[function] = (capacity, buffer)
+        count = ctypes.c_uint(capacity)
+        if last_seen_us is None:
+            ret = fn(dev.handle, ctypes.byref(count), buffer)
+        else:
+            ret = fn(dev.handle, buffer, ctypes.byref(count), ctypes.c_ulonglong(last_seen_us))
+        if ret == pynvml.NVML_SUCCESS:
+            raw = memoryview(buffer).cast("B")[: count.value * layout.size]
+            if last_seen_us is None:
+                return [(e[0], e[1]) for e in layout.iter_unpack(raw)]
+            return [(e[0], e[1], e[2]) for e in layout.iter_unpack(raw)]
+        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise pynvml.NVMLError(ret)
+        capacity = count.value * 2 + 32
+        buffer = None
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
 
 
 def _address(handle: Any) -> int | None:

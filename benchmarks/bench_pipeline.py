@@ -1,0 +1,333 @@
+"""Benchmark: the agent's cost on a busy simulated node.
+
+    sudo .venv/bin/python benchmarks/bench_pipeline.py [--gpus 8] [--containers 200] [--procs 4]
+
+Sets up a simulated node with GPUS devices, CONTAINERS plain cgroups (made by
+gpuwatch.sim.runc's ContainerLab, runtime "cgroup") each running PROCS native
+`simworker` processes that hold GPU memory (a few also run kernels), then starts the
+agent's pipeline -- NVML backend over the fake libnvidia-ml, identity resolver over the
+real /proc and cgroupfs, sampler, Prometheus collector and HTTP server -- in a separate
+process, so its RSS is the agent's and nothing else's. It reports:
+
+* CPU ms per sample cycle: the sampler thread's CPU time (time.thread_time) per cycle,
+  steady state (the first, cold cycle -- every pid resolved from /proc -- separately);
+* CPU ms per scrape: thread CPU of building the /metrics exposition, and the HTTP wall
+  time of a real scrape;
+* agent RSS (VmRSS and peak VmHWM) after the run.
+
+Targets (issue 3): cycle < 20 ms CPU, scrape < 20 ms, RSS < 60 MiB. Exit status 1 when a
+target is missed. Needs root (cgroups). Everything it starts is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+TARGET_CYCLE_CPU_MS = 20.0
+TARGET_SCRAPE_MS = 20.0
+TARGET_RSS_MIB = 60.0
+MIB = 1 << 20
+
+
+# ---- the agent side (runs in its own interpreter) ---------------------------------------
+
+def _rss_mib() -> tuple[float, float]:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+class TimedBackend:
+    """A GpuBackend that forwards to NvmlBackend and records each sweep's thread CPU time."""
+
+    def __init__(self, library: str) -> None:
+        from gpuwatch.gpu.nvml import NvmlBackend
+
+        self.inner = NvmlBackend(library_path=library)
+        self.sweep_cpu_s: list[float] = []
+
+    def sweep(self):  # type: ignore[no-untyped-def]
+        c0 = time.thread_time()
+        try:
+            return self.inner.sweep()
+        finally:
+            self.sweep_cpu_s.append(time.thread_time() - c0)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class TimedResolver:
+    """Forwards to IdentityResolver; records thread CPU per sweep (begin_sweep + resolve_pids)."""
+
+    def __init__(self) -> None:
+        from gpuwatch.containers import IdentityResolver
+
+        self.inner = IdentityResolver()
+        self.cpu_s: list[float] = []
+
+    def begin_sweep(self) -> None:
+        c0 = time.thread_time()
+        self.inner.begin_sweep()
+        self.cpu_s.append(time.thread_time() - c0)
+
+    def resolve_pids(self, pids):  # type: ignore[no-untyped-def]
+        c0 = time.thread_time()
+        try:
+            return self.inner.resolve_pids(pids)
+        finally:
+            self.cpu_s[-1] += time.thread_time() - c0
+
+    def identity_for_cgroup_id(self, cgroup_id):  # type: ignore[no-untyped-def]
+        return self.inner.identity_for_cgroup_id(cgroup_id)
+
+
+def driver_floor_cpu_s(library: str, device_count: int) -> float:
+    """Thread CPU of the NVML calls one sweep makes, made bare through ctypes (no decoding,
+    no model objects): the cost of the (fake) driver itself, which no agent can avoid."""
+    lib = ctypes.CDLL(library)  # already loaded by the backend: same handle, same state
+    u = ctypes.c_uint()
+    mem_v2 = (ctypes.c_ulonglong * 5)()  # {uint version; ull total, reserved, free, used}
+    buf = (ctypes.c_byte * (32 * 4096))()
+    c0 = time.thread_time()
+    lib.nvmlDeviceGetCount_v2(ctypes.byref(u))
+    for i in range(device_count):
+        h = ctypes.c_void_p()
+        lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h))
+        ctypes.cast(mem_v2, ctypes.POINTER(ctypes.c_uint))[0] = 0x02000028  # nvmlMemory_v2
+        lib.nvmlDeviceGetMemoryInfo_v2(h, mem_v2)
+        lib.nvmlDeviceGetUtilizationRates(h, buf)
+        lib.nvmlDeviceGetTemperature(h, 0, ctypes.byref(u))
+        lib.nvmlDeviceGetPowerUsage(h, ctypes.byref(u))
+        for fn in (lib.nvmlDeviceGetComputeRunningProcesses_v3, lib.nvmlDeviceGetGraphicsRunningProcesses_v3):
+            count = ctypes.c_uint(4096)
+            fn(h, ctypes.byref(count), buf)
+        count = ctypes.c_uint(4096)
+        lib.nvmlDeviceGetProcessUtilization(h, buf, ctypes.byref(count),
+                                            ctypes.c_ulonglong(int(time.time() * 1e6) - 1_000_000))
+    return time.thread_time() - c0
+
+
+def agent_child(args: argparse.Namespace) -> None:
+    from gpuwatch.exporter.exposition import render_text
+    from gpuwatch.exporter.server import registry_for, serve
+    from gpuwatch.sampler import Sampler
+
+    backends: list[TimedBackend] = []
+
+    def factory() -> TimedBackend:
+        backends.append(TimedBackend(args.nvml_library))
+        return backends[-1]
+
+    resolver = TimedResolver()
+    sampler = Sampler(factory, resolver, "bench", interval_s=args.interval)
+    registry = registry_for(sampler.latest)
+    server = serve(registry, "127.0.0.1", 0, get_snapshot=sampler.latest)
+    try:
+        t0 = time.perf_counter()
+        cold = sampler.run_once()
+        cold_wall = time.perf_counter() - t0
+        if not cold.gpu_up:
+            raise SystemExit(f"GPU backend down: {cold.gpu_error}")
+        cycles_cpu, cycles_wall = [], []
+        profiler = None
+        if args.profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        next_at = time.monotonic()
+        for i in range(args.warmup + args.cycles):
+            next_at += args.interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            snap = sampler.run_once()
+            if i >= args.warmup:
+                cycles_cpu.append(snap.cycle_cpu_seconds)
+                cycles_wall.append(snap.cycle_seconds)
+        sweep_cpu = backends[-1].sweep_cpu_s[-len(cycles_cpu):]
+        resolver_cpu = resolver.cpu_s[-len(cycles_cpu):]
+        floors = []
+        for _ in range(5):
+            floors.append(driver_floor_cpu_s(args.nvml_library, len(cold.devices)))
+            time.sleep(0.2)
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumtime").print_stats("gpuwatch", 30)
+        scrape_cpu, scrape_wall, size = [], [], 0
+        for _ in range(args.scrapes):
+            c0 = time.thread_time()
+            body = render_text(registry)  # what the server's /metrics does
+            scrape_cpu.append(time.thread_time() - c0)
+            size = len(body)
+            w0 = time.perf_counter()
+            urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read()
+            scrape_wall.append(time.perf_counter() - w0)
+        rss, hwm = _rss_mib()
+        snap = sampler.latest()
+        processes = sum(len(c.processes) for c in snap.containers)
+        host = sum(len(c.processes) for c in snap.containers if c.identity.runtime == "host"
+                   and c.identity.cgroup_path == "/")
+        print(json.dumps({
+            "cold_cycle_cpu_s": cold.cycle_cpu_seconds, "cold_cycle_wall_s": cold_wall,
+            "cycle_cpu_s": cycles_cpu, "cycle_wall_s": cycles_wall, "sweep_cpu_s": sweep_cpu,
+            "resolver_cpu_s": resolver_cpu,
+            "driver_floor_cpu_s": floors,
+            "scrape_cpu_s": scrape_cpu, "scrape_wall_s": scrape_wall, "exposition_bytes": size,
+            "rss_mib": rss, "hwm_mib": hwm, "devices": len(snap.devices),
+            "container_gpu_pairs": len(snap.containers),
+            "identities": len({c.identity.key for c in snap.containers}),
+            "processes": processes, "unattributed_processes": host,
+        }))
+    finally:
+        server.stop()
+        sampler.stop()
+
+
+# ---- the node side ---------------------------------------------------------------------
+
+def _wait_for_processes(node: object, expected: int, timeout_s: float) -> int:
+    from gpuwatch.sim import status
+
+    deadline = time.monotonic() + timeout_s
+    count = 0
+    while time.monotonic() < deadline:
+        count = sum(1 for p in status(node).processes if p.memory_bytes > 0)  # type: ignore[arg-type]
+        if count >= expected:
+            return count
+        time.sleep(0.5)
+    return count
+
+
+def _ms(values: list[float]) -> tuple[float, float, float]:
+    ms = sorted(v * 1000 for v in values)
+    p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
+    return statistics.median(ms), p95, ms[-1]
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuwatch.sim import down, sim_env, up
+    from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+
+    if os.geteuid() != 0:
+        print("bench_pipeline needs root (it makes cgroups)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
+    name = f"bench{os.getpid()}"
+    state = work / "state"
+    node = up(devices=args.gpus, name=name, memory_bytes=80 << 30, state_path=state, root=work / "simroot")
+    env = sim_env(node)
+    worker = str(node.libraries.worker_path)
+    total = args.containers * args.procs
+    print(f"simulated node: {args.gpus} GPUs, {args.containers} containers x {args.procs} simworker "
+          f"processes = {total} GPU processes (plain cgroups)", flush=True)
+    try:
+        with ContainerLab(work / "lab") as lab:
+            t0 = time.monotonic()
+            for c in range(args.containers):
+                gpu = c % args.gpus
+                duty = args.busy_duty if c < args.busy_containers else 0.0
+                one = f"{worker} --gpu {gpu} --mib-per-step {args.mib} --duty {duty} --kernel-ms 2 >/dev/null"
+                script = " & ".join([one] * args.procs) + " & wait"
+                lab.run(ContainerSpec(name=f"bench-{c:03d}", argv=["/bin/sh", "-c", script], runtime="cgroup",
+                                      env={k: env[k] for k in ("LD_LIBRARY_PATH", "GPUWATCH_SIM_STATE",
+                                                               "GPUWATCH_SIM_ROOT", "GPUWATCH_SIM_LIBCUDA")},
+                                      cgroup_path=f"/gpuwatch-bench/c{c:03d}"))
+            ready = _wait_for_processes(node, total, timeout_s=120)
+            print(f"{ready}/{total} GPU processes ready in {time.monotonic() - t0:.1f} s", flush=True)
+            child_env = {**os.environ, "GPUWATCH_SIM_STATE": str(state)}
+            child_env.pop("LD_LIBRARY_PATH", None)
+            result = subprocess.run(
+                [sys.executable, __file__, "--agent-child", "--nvml-library", str(node.libraries.nvml_path),
+                 "--interval", str(args.interval), "--cycles", str(args.cycles), "--warmup", str(args.warmup),
+                 "--scrapes", str(args.scrapes), *(["--profile"] if args.profile else [])],
+                capture_output=True, text=True, env=child_env, timeout=600)
+            if result.returncode != 0 or args.profile:
+                print(result.stderr, file=sys.stderr)
+            if result.returncode != 0:
+                return 1
+            data = json.loads(result.stdout.strip().splitlines()[-1])
+    finally:
+        down(name, state_path=state)
+    return report(args, data)
+
+
+def report(args: argparse.Namespace, data: dict) -> int:  # type: ignore[type-arg]
+    cycle_cpu = _ms(data["cycle_cpu_s"])
+    cycle_wall = _ms(data["cycle_wall_s"])
+    scrape_cpu = _ms(data["scrape_cpu_s"])
+    scrape_wall = _ms(data["scrape_wall_s"])
+    floor = _ms(data["driver_floor_cpu_s"])
+    agent_side = _ms([c - statistics.median(data["driver_floor_cpu_s"]) for c in data["cycle_cpu_s"]])
+    rows = [
+        ("sample cycle, thread CPU (ms)", *cycle_cpu, None),
+        ("  of which GPU backend sweep (ms)", *_ms(data["sweep_cpu_s"]), None),
+        ("  of which NVML driver calls (ms)", *floor, None),
+        ("  of which identity resolver (ms)", *_ms(data["resolver_cpu_s"]), None),
+        ("  rest: attribution, snapshot (ms)", *_ms([c - w - r for c, w, r in zip(
+            data["cycle_cpu_s"], data["sweep_cpu_s"], data["resolver_cpu_s"], strict=True)]), None),
+        ("sample cycle minus driver (ms)", *agent_side, TARGET_CYCLE_CPU_MS),
+        ("sample cycle, wall (ms)", *cycle_wall, None),
+        ("scrape, build exposition CPU (ms)", *scrape_cpu, TARGET_SCRAPE_MS),
+        ("scrape, HTTP GET wall (ms)", *scrape_wall, TARGET_SCRAPE_MS),
+    ]
+    print()
+    print(f"{'measure':<36}{'median':>9}{'p95':>9}{'max':>9}{'target':>9}  ok")
+    ok_all = True
+    for label, med, p95, mx, target in rows:
+        ok = target is None or med < target
+        ok_all &= ok
+        tgt = f"<{target:.0f}" if target is not None else "-"
+        print(f"{label:<36}{med:>9.2f}{p95:>9.2f}{mx:>9.2f}{tgt:>9}  {'yes' if ok else 'NO'}")
+    rss_ok = data["rss_mib"] < TARGET_RSS_MIB
+    ok_all &= rss_ok
+    print(f"{'agent RSS (MiB)':<36}{data['rss_mib']:>9.1f}{'':>9}{data['hwm_mib']:>9.1f}"
+          f"{'<' + format(TARGET_RSS_MIB, '.0f'):>9}  {'yes' if rss_ok else 'NO'}   (max = peak VmHWM)")
+    print(f"cold first cycle (all pids from /proc): {data['cold_cycle_cpu_s'] * 1000:.1f} ms CPU, "
+          f"{data['cold_cycle_wall_s'] * 1000:.1f} ms wall")
+    print(f"snapshot: {data['devices']} GPUs, {data['identities']} containers, {data['container_gpu_pairs']} "
+          f"container x GPU series, {data['processes']} processes ({data['unattributed_processes']} "
+          f"unattributed); exposition {data['exposition_bytes'] / 1024:.0f} KiB; "
+          f"{len(data['cycle_cpu_s'])} cycles at {args.interval} s, {len(data['scrape_cpu_s'])} scrapes")
+    return 0 if ok_all else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--containers", type=int, default=200)
+    parser.add_argument("--procs", type=int, default=4, help="simworker processes per container")
+    parser.add_argument("--mib", type=float, default=64, help="GPU memory per process (MiB)")
+    parser.add_argument("--busy-containers", type=int, default=8,
+                        help="containers whose processes also run kernels (the rest only hold memory)")
+    parser.add_argument("--busy-duty", type=float, default=0.02)
+    parser.add_argument("--interval", type=float, default=1.0, help="sample interval (s)")
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--scrapes", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="print the agent's cProfile of the cycles")
+    parser.add_argument("--agent-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nvml-library", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.agent_child:
+        agent_child(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
