@@ -9,8 +9,9 @@ with known memory and duty. Checked against ground truth, not against our own nu
 * namespace / pod / container labels come from the OCI bundle annotations;
 * a stopped container's series are gone within two sample intervals;
 * when every GPU is lost mid-run (the sim's "lost" fault: NVML answers GPU_IS_LOST)
-  the agent keeps serving, says
-  gpuwatch_gpu_backend_up 0, and recovers (counters intact) once the GPUs are back.
+  the agent keeps serving, says gpuwatch_gpu_backend_up 0, and recovers (counters
+  intact) once the GPUs are back; likewise when the whole simulated node is taken down
+  ("driver gone") and brought up again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch.sim import SimNode, inject_fault, sim_env, status
+from gpuwatch.sim import SimNode, down, inject_fault, sim_env, status, up
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.system.promstack import free_port
 from tests.system.sim_helpers import private_node
@@ -208,8 +209,8 @@ def test_containers_on_the_simulated_node_through_metrics(
     for gpu in range(node.device_count):
         inject_fault(node, "lost", gpu)
     wait_for(lambda: scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 0.0, 5, "backend_up 0")
-    down = scrape(port)
-    assert down.value("gpuwatch_container_memory_bytes", container_id=containers["trainer"].id) is None
+    outage = scrape(port)
+    assert outage.value("gpuwatch_container_memory_bytes", container_id=containers["trainer"].id) is None
     time.sleep(3 * INTERVAL_S)
     assert proc.poll() is None, "the agent died when NVML failed"
     assert scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 0.0
@@ -224,3 +225,17 @@ def test_containers_on_the_simulated_node_through_metrics(
     after = scrape(port).value("gpuwatch_container_kernel_seconds_total", container_id=containers["trainer"].id)
     assert after is not None and kernel_before["trainer"] is not None
     assert after >= kernel_before["trainer"], "kernel seconds went backwards across the outage"
+
+    # the simulated node taken down under the running agent ("driver gone"), then re-created
+    for c in containers.values():
+        freezer_state(c, "FROZEN")
+    down(node.name)
+    wait_for(lambda: scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 0.0, 5, "backend_up 0 (down)")
+    time.sleep(3 * INTERVAL_S)
+    assert proc.poll() is None, "the agent died when the simulated driver went away"
+    up(devices=2, memory_bytes=16 << 30, name=node.name, root=node.root)
+    wait_for(lambda: scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 1.0, 15, "recovery after up")
+    again = scrape(port)
+    assert again.value("gpuwatch_gpu_memory_used_bytes", gpu="0") == 0  # a fresh node: empty ledger
+    for c in containers.values():
+        freezer_state(c, "THAWED")
