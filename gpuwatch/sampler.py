@@ -81,6 +81,7 @@ class Sampler:
         self._last_error: str | None = None
         self._gpu_errors_total = 0
         self._state = AttributionState()
+        self._identities: dict[int, ProcessIdentity] = {}
         self._latest = Snapshot(timestamp_s=clock(), node=node, devices=(), containers=(), gpu_up=False,
                                 gpu_error="no sample taken yet", interval_s=interval_s)
         self._thread: threading.Thread | None = None
@@ -199,7 +200,15 @@ class Sampler:
                             notes=notes, gpu_errors_total=self._gpu_errors_total)
         self._resolver.begin_sweep()
         pids = {proc.pid for proc in sweep.processes}
-        identities = self._resolver.resolve_pids(pids)
+        identities = dict(self._resolver.resolve_pids(pids))
+        # A process that has just exited can still be listed by NVML (its memory is being
+        # released) while /proc no longer has it: keep last sweep's identity for it rather
+        # than charging its memory to the host for one interval.
+        for pid in pids - identities.keys():
+            previous = self._identities.get(pid)
+            if previous is not None:
+                identities[pid] = previous
+        self._identities = identities
         result = attribute(sweep, identities, self._state, self.node)
         self._state = result.state
         probe_identities = self._probe_identities(counters)

@@ -178,3 +178,19 @@ def test_thread_loop_publishes_and_survives_unexpected_errors() -> None:
         assert "bug in a backend" in (broken.latest().gpu_error or "")
     finally:
         broken.stop()
+
+
+def test_a_pid_gone_from_proc_but_still_listed_keeps_its_container() -> None:
+    world = FakeWorld(procs={(10, 0): (GIB, 0.5)})
+    sampler, resolver = make(world)
+    sampler.run_once()
+    del resolver.table[10]  # exited: /proc no longer knows it, NVML still lists it
+    world.now_s += 1
+    snap = sampler.run_once()
+    assert [c.identity.key for c in snap.containers] == ["aaaa"]
+    del world.procs[(10, 0)]
+    world.now_s += 1
+    assert sampler.run_once().containers == ()
+    world.procs[(10, 0)] = (GIB, 0.5)  # the pid number comes back, unknown to /proc: host
+    world.now_s += 1
+    assert [c.identity.runtime for c in sampler.run_once().containers] == ["host"]
