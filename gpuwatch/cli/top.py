@@ -18,10 +18,10 @@ from typing import Any
 
 import click
 
+from gpuwatch import snapshot_doc as jsondoc
 from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 from gpuwatch.errors import GpuwatchError, NvmlUnavailable
 from gpuwatch.model import Snapshot
-from gpuwatch.tui import jsondoc
 from gpuwatch.tui.render import NVML_FIX, nvml_down_text, plain_table
 from gpuwatch.tui.sources import FileSource, SamplerSource, SnapshotSource
 from gpuwatch.tui.state import SortKey, ViewState, filter_snapshot

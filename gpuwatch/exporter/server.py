@@ -23,8 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
-from gpuwatch.exporter.snapshot_json import snapshot_to_json
 from gpuwatch.model import Snapshot
+from gpuwatch.snapshot_doc import dumps as snapshot_document
 
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -49,7 +49,7 @@ def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | Non
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/snapshot.json" and get_snapshot is not None:
-            body = snapshot_to_json(get_snapshot()).encode()
+            body = snapshot_document(get_snapshot(), indent=None).encode()
             start_response("200 OK", [("Content-Type", "application/json"),
                                       ("Content-Length", str(len(body)))])
             return [body]

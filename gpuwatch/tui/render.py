@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gpuwatch.model import Snapshot
+from gpuwatch.snapshot_doc import iso_time, wall_time_s
 from gpuwatch.tui import fmt
-from gpuwatch.tui.jsondoc import iso_time, wall_time_s
 from gpuwatch.tui.state import (
     ContainerRow,
     GpuRow,

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import Snapshot
-from gpuwatch.tui.jsondoc import SnapshotDocError, loads
+from gpuwatch.snapshot_doc import SnapshotDocError, loads
 
 
 class SnapshotSource(Protocol):

@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuwatch import snapshot_doc
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.exporter.server import registry_for, serve
-from gpuwatch.exporter.snapshot_json import snapshot_from_json, snapshot_to_json
 from gpuwatch.model import DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.sampler import Sampler
 from tests.conftest import need_binary
@@ -158,7 +158,7 @@ def test_server_metrics_pass_promtool_and_snapshot_json_round_trips() -> None:
         assert check.stdout.strip() == b"" and check.stderr.strip() == b"", check.stderr.decode()
         doc = urllib.request.urlopen(f"{server.url}/snapshot.json", timeout=5).read().decode()
         assert json.loads(doc)["node"] == "node-1"
-        assert snapshot_from_json(doc) == sampler.latest()
+        assert snapshot_doc.loads(doc) == sampler.latest()
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"{server.url}/nope", timeout=5)
     finally:
@@ -173,7 +173,7 @@ def test_json_round_trip_is_exact() -> None:
     snap = sampler.run_once()
     snap = dataclasses.replace(snap, devices=(*snap.devices, dataclasses.replace(
         snap.devices[0], uuid="MIG-1", is_mig=True, mig_index=3, parent_uuid="GPU-fake-0")))
-    assert snapshot_from_json(snapshot_to_json(snap)) == snap
+    assert snapshot_doc.loads(snapshot_doc.dumps(snap)) == snap
 
 
 def test_mig_devices_get_their_own_gpu_label() -> None:

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from gpuwatch import snapshot_doc as jsondoc
 from gpuwatch.cli import top as top_module
 from gpuwatch.cli.main import cli
 from gpuwatch.errors import NvmlUnavailable
 from gpuwatch.model import Snapshot
-from gpuwatch.tui import jsondoc
 from tests.unit.test_tui_samples import sample_snapshot
 
 

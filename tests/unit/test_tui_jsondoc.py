@@ -14,7 +14,7 @@ from gpuwatch.model import (
     ProbeCounters,
     Snapshot,
 )
-from gpuwatch.tui.jsondoc import (
+from gpuwatch.snapshot_doc import (
     FORMAT,
     SnapshotDocError,
     dumps,

@@ -1,7 +1,7 @@
 """Snapshot <-> JSON document (pure; no I/O).
 
 The document is what `gpuwatch top --once --json` prints, what `--snapshot-file` reads,
-and what the agent may serve as /snapshot.json. It carries every Snapshot field, so
+and what the agent serves as /snapshot.json (consumers share this one format). It carries every Snapshot field, so
 `loads(dumps(s)) == s`. Layout (version 1)::
 
     {"format": "gpuwatch.snapshot/1", "node": ..., "time": "2026-11-22T18:00:00.000Z",
