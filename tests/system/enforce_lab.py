@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpuwatch.enforce.cgroupfs import detect_roots, process_cpu_seconds
 from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.sim.runc import RunningContainer
 
 WORKER = r"""
 import os, signal, sys, time
@@ -174,3 +175,24 @@ def snapshot(*rows: tuple[ContainerIdentity, int], t: float | None = None) -> Sn
         interval_s=1.0,
         simulated=True,
     )
+
+
+def identity_of(container: RunningContainer) -> ContainerIdentity:
+    """The identity the resolver gives a k8s-style ContainerLab container (for hand-built snapshots)."""
+    return ContainerIdentity(
+        runtime="k8s",
+        cgroup_path=container.cgroup_path,
+        container_id=container.id,
+        container_name=container.name,
+        pod_name=container.pod or "",
+        pod_namespace=container.namespace,
+    )
+
+
+def wait_ready(container: RunningContainer, timeout_s: float = 15.0) -> RunningContainer:
+    """Wait until a `gpuwatch sim run` workload printed "ready" (its memory is allocated)."""
+    deadline = time.monotonic() + timeout_s
+    while "ready" not in container.logs() and container.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert container.running() and "ready" in container.logs(), container.logs()
+    return container

@@ -19,10 +19,11 @@ import pytest
 
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.model import ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.system.enforce_lab import identity_of, wait_ready
 from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
@@ -72,23 +73,8 @@ def start(lab: ContainerLab, sim: simnode.SimNode, markers: Path, pod: str) -> R
         extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
         ro_binds=[str(sim.libraries.lib_dir)],
     )
-    container = lab.run(spec)
-    deadline = time.monotonic() + 15
-    while "ready" not in container.logs() and container.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "ready" in container.logs(), container.logs()
-    return container
+    return wait_ready(lab.run(spec))
 
-
-def identity_of(c: RunningContainer) -> ContainerIdentity:
-    return ContainerIdentity(
-        runtime="k8s",
-        cgroup_path=c.cgroup_path,
-        container_id=c.id,
-        container_name=c.name,
-        pod_name=c.pod or "",
-        pod_namespace=c.namespace,
-    )
 
 
 def ledger_snapshot(sim: simnode.SimNode, containers: list[RunningContainer]) -> Snapshot:

@@ -18,10 +18,9 @@ from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.cgroupfs import CgroupTree
 from gpuwatch.enforce.control import cgroup_cpu_busy
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.model import ContainerIdentity
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.enforce_lab import GIB, snapshot
+from tests.system.enforce_lab import GIB, identity_of, snapshot, wait_ready
 from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
@@ -83,23 +82,8 @@ def start(lab: ContainerLab, sim: simnode.SimNode, tmp_path: Path, name: str, na
         extra_binds=[str(sim.state_path.parent), str(sim.root), str(marker_dir)],
         ro_binds=[str(sim.libraries.lib_dir)],
     )
-    container = lab.run(spec)
-    deadline = time.monotonic() + 15
-    while "ready" not in container.logs() and container.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert container.running() and "ready" in container.logs(), container.logs()
-    return container
+    return wait_ready(lab.run(spec))
 
-
-def identity_of(container: RunningContainer) -> ContainerIdentity:
-    return ContainerIdentity(
-        runtime="k8s",
-        cgroup_path=container.cgroup_path,
-        container_id=container.id,
-        container_name=container.name,
-        pod_name=container.pod or "",
-        pod_namespace=container.namespace,
-    )
 
 
 def cpu_advances(container: RunningContainer, seconds: float = 0.6) -> bool:
