@@ -32,6 +32,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpuwatch.sim import SimNode
 
 TARGET_CYCLE_CPU_MS = 20.0
 TARGET_SCRAPE_MS = 20.0
@@ -142,7 +146,7 @@ def agent_child(args: argparse.Namespace) -> None:
         cold_wall = time.perf_counter() - t0
         if not cold.gpu_up:
             raise SystemExit(f"GPU backend down: {cold.gpu_error}")
-        cycles_cpu, cycles_wall = [], []
+        cycles_cpu, cycles_wall, floors = [], [], []
         profiler = None
         if args.profile:
             import cProfile
@@ -157,12 +161,10 @@ def agent_child(args: argparse.Namespace) -> None:
             if i >= args.warmup:
                 cycles_cpu.append(snap.cycle_cpu_seconds)
                 cycles_wall.append(snap.cycle_seconds)
+                time.sleep(args.interval / 3)  # then the same NVML calls bare, between cycles
+                floors.append(driver_floor_cpu_s(args.nvml_library, len(cold.devices)))
         sweep_cpu = backends[-1].sweep_cpu_s[-len(cycles_cpu):]
         resolver_cpu = resolver.cpu_s[-len(cycles_cpu):]
-        floors = []
-        for _ in range(5):
-            floors.append(driver_floor_cpu_s(args.nvml_library, len(cold.devices)))
-            time.sleep(0.2)
         if profiler is not None:
             import pstats
 
@@ -200,13 +202,13 @@ def agent_child(args: argparse.Namespace) -> None:
 
 # ---- the node side ---------------------------------------------------------------------
 
-def _wait_for_processes(node: object, expected: int, timeout_s: float) -> int:
+def _wait_for_processes(node: SimNode, expected: int, timeout_s: float) -> int:
     from gpuwatch.sim import status
 
     deadline = time.monotonic() + timeout_s
     count = 0
     while time.monotonic() < deadline:
-        count = sum(1 for p in status(node).processes if p.memory_bytes > 0)  # type: ignore[arg-type]
+        count = sum(1 for p in status(node).processes if p.memory_bytes > 0)
         if count >= expected:
             return count
         time.sleep(0.5)
@@ -266,15 +268,15 @@ def run(args: argparse.Namespace) -> int:
     return report(args, data)
 
 
-def report(args: argparse.Namespace, data: dict) -> int:  # type: ignore[type-arg]
+def report(args: argparse.Namespace, data: dict[str, Any]) -> int:
     cycle_cpu = _ms(data["cycle_cpu_s"])
     cycle_wall = _ms(data["cycle_wall_s"])
     scrape_cpu = _ms(data["scrape_cpu_s"])
     scrape_wall = _ms(data["scrape_wall_s"])
     floor = _ms(data["driver_floor_cpu_s"])
-    agent_side = _ms([c - statistics.median(data["driver_floor_cpu_s"]) for c in data["cycle_cpu_s"]])
+    agent_side = _ms([c - f for c, f in zip(data["cycle_cpu_s"], data["driver_floor_cpu_s"], strict=True)])
     rows = [
-        ("sample cycle, thread CPU (ms)", *cycle_cpu, None),
+        ("sample cycle, thread CPU (ms)", *cycle_cpu, TARGET_CYCLE_CPU_MS),
         ("  of which GPU backend sweep (ms)", *_ms(data["sweep_cpu_s"]), None),
         ("  of which NVML driver calls (ms)", *floor, None),
         ("  of which identity resolver (ms)", *_ms(data["resolver_cpu_s"]), None),
@@ -286,17 +288,22 @@ def report(args: argparse.Namespace, data: dict) -> int:  # type: ignore[type-ar
         ("scrape, HTTP GET wall (ms)", *scrape_wall, TARGET_SCRAPE_MS),
     ]
     print()
-    print(f"{'measure':<36}{'median':>9}{'p95':>9}{'max':>9}{'target':>9}  ok")
+    print(f"{'measure':<36}{'median':>9}{'p95':>9}{'max':>9}{'target':>9}  met")
     ok_all = True
     for label, med, p95, mx, target in rows:
         ok = target is None or med < target
-        ok_all &= ok
-        tgt = f"<{target:.0f}" if target is not None else "-"
-        print(f"{label:<36}{med:>9.2f}{p95:>9.2f}{mx:>9.2f}{tgt:>9}  {'yes' if ok else 'NO'}")
+        if label != rows[0][0]:  # the total includes the fake driver's own cost (below)
+            ok_all &= ok
+        tgt = f"<{target:.0f}" if target is not None else ""
+        verdict = "" if target is None else ("yes" if ok else "NO")
+        print(f"{label:<36}{med:>9.2f}{p95:>9.2f}{mx:>9.2f}{tgt:>9}  {verdict}")
     rss_ok = data["rss_mib"] < TARGET_RSS_MIB
     ok_all &= rss_ok
     print(f"{'agent RSS (MiB)':<36}{data['rss_mib']:>9.1f}{'':>9}{data['hwm_mib']:>9.1f}"
           f"{'<' + format(TARGET_RSS_MIB, '.0f'):>9}  {'yes' if rss_ok else 'NO'}   (max = peak VmHWM)")
+    print("The total cycle includes the NVML calls themselves; on the simulated node those run the fake\n"
+          "libnvidia-ml, whose per-call liveness scan (/proc/locks) dominates. The agent's own share is\n"
+          "'sample cycle minus driver'; the exit status checks that, the scrape and the RSS.")
     print(f"cold first cycle (all pids from /proc): {data['cold_cycle_cpu_s'] * 1000:.1f} ms CPU, "
           f"{data['cold_cycle_wall_s'] * 1000:.1f} ms wall")
     print(f"snapshot: {data['devices']} GPUs, {data['identities']} containers, {data['container_gpu_pairs']} "
