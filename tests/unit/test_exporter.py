@@ -181,3 +181,25 @@ def test_mig_devices_get_their_own_gpu_label() -> None:
     snap = Snapshot(timestamp_s=1.0, node="n", devices=(device(0), mig), containers=())
     text = generate_latest(registry_for(lambda: snap)).decode()
     assert 'gpu="0/mig2"' in text and 'mig="true"' in text and 'parent_uuid="GPU-fake-0"' in text
+
+
+def test_server_speaks_text_to_prometheus_and_openmetrics_when_asked_only_for_that() -> None:
+    _, sampler, _ = pipeline()
+    sampler.run_once()
+    server = serve(registry_for(sampler.latest), "127.0.0.1", 0)
+    prometheus_accept = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                         "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+    try:
+        for accept, expected_type, ending in (
+                (prometheus_accept, "text/plain; version=0.0.4", b"\n"),
+                ("application/openmetrics-text; version=1.0.0", "application/openmetrics-text", b"# EOF\n")):
+            request = urllib.request.Request(f"{server.url}/metrics", headers={"Accept": accept})
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                body = resp.read()
+                assert resp.headers["Content-Type"].startswith(expected_type)
+            assert body.endswith(ending) and b"gpuwatch_container_memory_bytes{" in body
+        with pytest.raises(urllib.error.HTTPError):  # no snapshot source given: no JSON endpoint
+            urllib.request.urlopen(f"{server.url}/snapshot.json", timeout=5)
+    finally:
+        server.stop()
+        server.stop()  # idempotent
