@@ -3,8 +3,9 @@
 Three caches, each validated cheaply:
 * per pid, keyed by (pid, inode and ctime of /proc/<pid>): one stat() per known pid per
   call. A reused pid gets a new /proc/<pid> inode, so the key changes; on any change the
-  start time in /proc/<pid>/stat decides. The cgroup file is re-read every `pid_recheck_s`
-  to follow a process moved to another cgroup.
+  start time in /proc/<pid>/stat decides. The cgroup file alone is re-read every
+  `pid_recheck_s` (spread over the period by pid, so no sweep re-reads everything) to
+  follow a process moved to another cgroup.
 * per cgroup path: the parsed identity plus metadata and the cgroup id; dropped by
   `begin_sweep` when the cgroup directory is gone.
 * per container id: metadata from the runtime's files (metadata.py), dropped when no cached
@@ -56,6 +57,7 @@ class _PidEntry:
     path_entry: _PathEntry
     process: ProcessIdentity
     used_gen: int
+    cgroup_text: str | None = None  # what /proc/<pid>/cgroup said at the last check
 
 
 @dataclass
@@ -127,9 +129,15 @@ class IdentityResolver:
             if parsed is None or parsed.exited:
                 del self._pids[pid]
                 return None
-            if fresh and parsed.start_ticks == entry.start_ticks:
-                entry.proc_key = key  # same process, its /proc inode was recycled
-                return self._hit(entry)
+            if parsed.start_ticks == entry.start_ticks:
+                if fresh:
+                    entry.proc_key = key  # same process, its /proc inode was recycled
+                    return self._hit(entry)
+                # periodic recheck of the same process: only a cgroup move matters
+                cg_text = read_text(f"{pdir}/cgroup")
+                if cg_text is not None and cg_text == entry.cgroup_text:
+                    entry.proc_key, entry.checked_s = key, now
+                    return self._hit(entry)
         return self._load_pid(pid, pdir, key, now, stat_text)
 
     def resolve_pids(self, pids: Iterable[int]) -> dict[int, ProcessIdentity]:
@@ -176,7 +184,10 @@ class IdentityResolver:
             comm=comm or name,
             identity=path_entry.identity,
         )
-        self._pids[pid] = _PidEntry(key, start_ticks, now, path_entry, process, self._gen)
+        # Spread the periodic rechecks over the recheck period (by pid), so processes that
+        # were first seen together are not all re-read in the same sweep.
+        checked_s = now - (pid % 64) / 64 * self._pid_recheck_s
+        self._pids[pid] = _PidEntry(key, start_ticks, checked_s, path_entry, process, self._gen, cg_text)
         return process
 
     # ---- cgroups ----------------------------------------------------------------------
