@@ -302,8 +302,8 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> int:
     print(f"{'agent RSS (MiB)':<36}{data['rss_mib']:>9.1f}{'':>9}{data['hwm_mib']:>9.1f}"
           f"{'<' + format(TARGET_RSS_MIB, '.0f'):>9}  {'yes' if rss_ok else 'NO'}   (max = peak VmHWM)")
     print("The total cycle includes the NVML calls themselves; on the simulated node those run the fake\n"
-          "libnvidia-ml, whose per-call liveness scan (/proc/locks) dominates. The agent's own share is\n"
-          "'sample cycle minus driver'; the exit status checks that, the scrape and the RSS.")
+          "libnvidia-ml (a real driver's cost differs). The agent's own share is 'sample cycle minus\n"
+          "driver'; the exit status checks that, the scrape and the RSS.")
     print(f"cold first cycle (all pids from /proc): {data['cold_cycle_cpu_s'] * 1000:.1f} ms CPU, "
           f"{data['cold_cycle_wall_s'] * 1000:.1f} ms wall")
     print(f"snapshot: {data['devices']} GPUs, {data['identities']} containers, {data['container_gpu_pairs']} "
