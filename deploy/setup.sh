@@ -79,7 +79,7 @@ case "$mode" in
     exec .venv/bin/gpuwatch quickstart ;;
   test)
     log "ruff"
-    .venv/bin/ruff check gpuwatch tests
+    .venv/bin/ruff check gpuwatch tests benchmarks
     log "mypy"
     .venv/bin/mypy
     log "pytest (whole suite, including root/BPF/runc/Prometheus system tests)"
