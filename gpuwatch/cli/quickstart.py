@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -86,6 +87,7 @@ def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any]:
     sim = simnode.up(devices=devices, name="quickstart")
     stack.callback(simnode.down, "quickstart")
     base = Path(tempfile.mkdtemp(prefix="gpuwatch-quickstart-"))
+    stack.callback(shutil.rmtree, base, True)  # after the lab below has stopped its containers
     dirs = demo.default_lab_dirs(base)
     lab = ContainerLab(**dirs)
     stack.enter_context(lab)
