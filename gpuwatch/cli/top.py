@@ -23,7 +23,7 @@ from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 from gpuwatch.errors import GpuwatchError, NvmlUnavailable
 from gpuwatch.model import Snapshot
 from gpuwatch.tui.render import NVML_FIX, nvml_down_text, plain_table
-from gpuwatch.tui.sources import FileSource, SamplerSource, SnapshotSource
+from gpuwatch.tui.sources import AgentSource, FileSource, SamplerSource, SnapshotSource
 from gpuwatch.tui.state import SortKey, ViewState, filter_snapshot
 
 ONCE_SETTLE_MAX_S = 0.5
@@ -35,10 +35,12 @@ def nvml_missing_message(err: GpuwatchError) -> str:
 
 
 def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s: float,
-                node: str | None, bundle_roots: Any = None) -> SnapshotSource:
-    """The Snapshot source for this run: a saved document, or the live sampler."""
+                node: str | None, bundle_roots: Any = None, agent_url: str | None = None) -> SnapshotSource:
+    """The Snapshot source for this run: a saved document, a running agent, or the live sampler."""
     if snapshot_file is not None:
         return FileSource(snapshot_file)
+    if agent_url is not None:
+        return AgentSource(agent_url)
     try:
         sampler_module = importlib.import_module("gpuwatch.sampler")
     except ImportError as err:
@@ -81,10 +83,13 @@ def take_once(source: SnapshotSource, settle_s: float, live: bool) -> Snapshot:
 @click.option("--node", default=None, help="Node name to show (default: this host's name).")
 @click.option("--snapshot-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               hidden=True, help="Show a saved `--once --json` document, re-read every refresh.")
+@click.option("--agent", "agent_url", default=None, metavar="URL",
+              help="Show what a running agent exports (its /snapshot.json), e.g. http://127.0.0.1:9400.")
 @runtime_root_options
 def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key: str, reverse: bool,
         flat: bool, nvml_library: str | None, node: str | None, snapshot_file: Path | None,
-        containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...]) -> None:
+        agent_url: str | None, containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...],
+        runc_roots: tuple[str, ...]) -> None:
     """Live terminal view of GPUs and the containers on them.
 
     Per GPU: memory (bar), utilisation, temperature, power; per container: namespace, pod,
@@ -101,10 +106,11 @@ def top(interval_s: float, once: bool, as_json: bool, filter_text: str, sort_key
         once = True
 
     source = open_source(snapshot_file, nvml_library, interval_s, node,
-                         bundle_roots_from(containerd_roots, docker_roots, runc_roots))
+                         bundle_roots_from(containerd_roots, docker_roots, runc_roots), agent_url)
     try:
         if once:
-            snapshot = take_once(source, min(interval_s, ONCE_SETTLE_MAX_S), live=snapshot_file is None)
+            sampling_here = snapshot_file is None and agent_url is None
+            snapshot = take_once(source, min(interval_s, ONCE_SETTLE_MAX_S), live=sampling_here)
         else:
             _run_live(source, state)
             return

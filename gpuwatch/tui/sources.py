@@ -77,3 +77,31 @@ class SamplerSource:
         close = getattr(self.sampler, "close", None) or getattr(self.sampler, "stop", None)
         if callable(close):
             close()
+
+
+class AgentSource:
+    """Reads a running agent's /snapshot.json on every refresh (no local NVML needed).
+
+    `gpuwatch top --agent http://127.0.0.1:9400` shows exactly what the agent exports,
+    e.g. from inside the agent's pod. The document's monotonic timestamp is replaced by
+    its wall time, since the agent's clock origin means nothing here.
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 5.0) -> None:
+        self.url = base_url.rstrip("/") + "/snapshot.json"
+        self.timeout_s = timeout_s
+
+    def next_snapshot(self) -> Snapshot:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
+                text = resp.read().decode("utf-8")
+        except (urllib.error.URLError, OSError, UnicodeDecodeError) as err:
+            raise GpuwatchError(f"cannot read {self.url}: {err}",
+                                fix="check the agent runs and --agent points at its --listen address") from err
+        return loads(text, wall_clock=True)
+
+    def close(self) -> None:
+        return None

@@ -205,3 +205,30 @@ def test_sampler_warnings_do_not_reach_the_terminal() -> None:
     assert done.returncode == 0
     assert "GPU backend down" not in done.stderr
     assert "still shown" in done.stderr
+
+
+def test_agent_source_shows_what_a_running_exporter_serves() -> None:
+    """`top --agent URL` reads the real exporter's /snapshot.json (same format as --json)."""
+    from gpuwatch.exporter.server import registry_for, serve
+
+    snap = sample_snapshot()
+    server = serve(registry_for(lambda: snap), "127.0.0.1", 0, get_snapshot=lambda: snap)
+    try:
+        result = run("--once", "--json", "--agent", server.url)
+        assert result.exit_code == 0, result.output
+        shown = jsondoc.loads(result.output)
+        assert [c.identity.container_id for c in shown.containers] == [c.identity.container_id for c in snap.containers]
+        assert [c.memory_bytes for c in shown.containers] == [c.memory_bytes for c in snap.containers]
+        table = run("--once", "--agent", server.url)
+        assert table.exit_code == 0 and snap.containers[0].identity.pod_name in table.output
+    finally:
+        server.stop()
+
+
+def test_agent_source_unreachable_says_how_to_fix() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run("--once", "--agent", f"http://127.0.0.1:{port}")
+    assert result.exit_code != 0
+    assert "cannot read" in result.output and "--agent" in result.output
