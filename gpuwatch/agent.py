@@ -51,7 +51,7 @@ def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 
         manager = ProbeManager(ProbeConfig(device_prefix=config.device_prefix,
-                                           launch_uprobes=config.launch_uprobes))
+                                           launch_uprobes=config.launch_uprobes, proc_root=config.proc_root))
         manager.start()
     except (ProbesUnavailable, ImportError) as err:
         if config.probes:
@@ -135,7 +135,9 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
                  config.listen_host, server.port, node, config.interval_s)
         _start_webhook(config, stack, enforcer, webhook_token)
         last_seen = 0.0
-        while not stop.wait(timeout=min(config.interval_s, 1.0)):
+        # Wake a few times per interval so a new snapshot reaches the enforcer promptly
+        # (the sampler publishes on its own phase); a wake-up with nothing new costs nothing.
+        while not stop.wait(timeout=min(config.interval_s / 4, 0.25)):
             if reload_requested.is_set():
                 reload_requested.clear()
                 if enforcer is not None:
