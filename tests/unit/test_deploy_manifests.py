@@ -43,3 +43,15 @@ def test_daemonset_serves_metrics_port_matching_service() -> None:
     assert "--listen=0.0.0.0:9400" in container["args"]
     assert docs["Service"]["spec"]["ports"][0]["targetPort"] == "metrics"
     assert docs["DaemonSet"]["spec"]["template"]["spec"]["hostPID"] is True
+
+
+def test_shipped_policies_are_valid(tmp_path: Path) -> None:
+    """The ConfigMap's policy and every example policy load without errors."""
+    from gpuwatch.policy.loader import load_policy
+
+    docs = {d["kind"]: d for _, d in _documents()}
+    embedded = tmp_path / "policy.yaml"
+    embedded.write_text(docs["ConfigMap"]["data"]["policy.yaml"])
+    load_policy(embedded)
+    for example in sorted((DEPLOY.parent / "policies").glob("*.yaml")):
+        load_policy(example)
