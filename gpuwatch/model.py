@@ -9,7 +9,7 @@ A value that a source could not read is ``None`` ("N/A"), never a made-up zero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class ProcessKind(StrEnum):
@@ -42,6 +42,47 @@ class DeviceInfo:
     xid_errors_total: int = 0
     simulated: bool = False
     mig_index: int | None = None
+    # health inputs read by the backend (issue 8); the verdict is signals/health.py's
+    lost: bool = False  # NVML answered GPU_IS_LOST in this sweep
+    xid_events: tuple[int, ...] = ()  # Xid codes NVML delivered since the previous sweep
+    ecc_uncorrected_volatile: int | None = None  # uncorrectable ECC errors since the last reset
+    row_remap_failure: bool | None = None  # nvmlDeviceGetRemappedRows: failureOccurred
+    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor)
+
+
+class TopologyLevel(IntEnum):
+    """NVML's nvmlGpuTopologyLevel_t: the closest common ancestor of two GPUs (lower is closer)."""
+
+    INTERNAL = 0  # same board (multi-GPU board)
+    SINGLE = 10  # one PCIe switch
+    MULTIPLE = 20  # several PCIe switches, no host bridge
+    HOSTBRIDGE = 30  # the same host bridge
+    NODE = 40  # the same NUMA node (CPU), different host bridges
+    SYSTEM = 50  # across CPUs (SMP interconnect)
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How one GPU reaches a peer: PCIe common ancestor and active NVLinks between them."""
+
+    gpu_index: int
+    peer_index: int
+    level: TopologyLevel | None  # None: NVML could not say
+    nvlinks: int  # active NVLinks from gpu to peer (direct, or through an NVSwitch)
+
+
+@dataclass(frozen=True)
+class GpuTopology:
+    """The node's GPU interconnect, read once per backend (it changes only with hardware).
+
+    `links` holds both orders of every pair of physical GPUs. `nvswitch` is true when the
+    GPUs' NVLinks end on NVSwitches (every GPU reaches every other at full NVLink width).
+    `nvlink_supported` is false where NVML answers NOT_SUPPORTED (VMs, PCIe cards).
+    """
+
+    links: tuple[GpuLink, ...] = ()
+    nvswitch: bool = False
+    nvlink_supported: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +107,7 @@ class GpuSweep:
     driver_version: str | None = None
     cuda_driver_version: int | None = None
     errors: tuple[str, ...] = ()
+    topology: GpuTopology | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +218,77 @@ class GroupUsage:
 
 
 @dataclass(frozen=True)
+class GpuHealth:
+    """The health verdict for one GPU (signals/health.py decides it)."""
+
+    index: int
+    uuid: str
+    healthy: bool
+    reason: str  # "ok", "xid", "lost", "ecc-uncorrectable", "row-remap-failure", "nvml-errors"
+    detail: str = ""  # human sentence: "XID 79 (fallen off the bus)"
+    transitions_total: int = 0
+    xid: int | None = None  # the Xid that made it unhealthy
+
+
+@dataclass(frozen=True)
+class NicStats:
+    """One network interface of the node (signals/network.py)."""
+
+    device: str
+    operstate: str  # "up", "down", "unknown", ...
+    speed_bytes_per_second: float | None  # link speed; None: unknown (virtual NICs, no carrier)
+    receive_bytes_total: int
+    transmit_bytes_total: int
+    rdma: bool = False  # an RDMA device (InfiniBand / RoCE) is bound to it
+
+
+@dataclass(frozen=True)
+class RdmaPort:
+    """One port of an RDMA device under /sys/class/infiniband."""
+
+    device: str
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    rate_bytes_per_second: float | None
+    receive_bytes_total: int | None
+    transmit_bytes_total: int | None
+    link_layer: str = ""  # "InfiniBand" or "Ethernet" (RoCE)
+
+
+@dataclass(frozen=True)
+class ContainerXid:
+    """Xid errors the kernel log attributes to one container's processes on one GPU."""
+
+    identity: ContainerIdentity
+    gpu_index: int
+    xid: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ContainerNetwork:
+    """Bytes through the network namespace of a container that uses a GPU (all its NICs but lo)."""
+
+    identity: ContainerIdentity
+    receive_bytes_total: int
+    transmit_bytes_total: int
+
+
+@dataclass(frozen=True)
+class NodeSignals:
+    """Node facts for schedulers, built once per interval beside the usage snapshot."""
+
+    health: tuple[GpuHealth, ...] = ()
+    topology: GpuTopology | None = None
+    nics: tuple[NicStats, ...] = ()
+    rdma_ports: tuple[RdmaPort, ...] = ()
+    container_xids: tuple[ContainerXid, ...] = ()
+    container_network: tuple[ContainerNetwork, ...] = ()
+    errors_total: tuple[tuple[str, int], ...] = ()  # (source, count): kmsg, network, netns, ...
+    kmsg_malformed_total: int = 0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The one published view of the node for one sample interval."""
 
@@ -196,6 +309,9 @@ class Snapshot:
     cycle_cpu_seconds: float = 0.0
     gpu_errors_total: int = 0
     probe_identities: tuple[tuple[int, ContainerIdentity], ...] = ()
+    signals: NodeSignals | None = None
+    driver_version: str | None = None
+    cuda_driver_version: int | None = None
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)
