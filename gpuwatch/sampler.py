@@ -32,11 +32,15 @@ from gpuwatch.gpu.backend import GpuBackend
 from gpuwatch.model import (
     ContainerIdentity,
     ContainerUsage,
+    DeviceInfo,
     GpuSweep,
+    GpuTopology,
+    NodeSignals,
     ProbeCounters,
     ProcessIdentity,
     Snapshot,
 )
+from gpuwatch.signals.health import apply_health
 
 if TYPE_CHECKING:
     from gpuwatch.containers import BundleRoots
@@ -60,12 +64,23 @@ class ProbeSource(Protocol):
     def read(self) -> tuple[ProbeCounters, ...]: ...
 
 
+class SignalSource(Protocol):
+    """Node signals for schedulers, built once per cycle (gpuwatch.signals.collector)."""
+
+    def collect(self, devices: Sequence[DeviceInfo] | None, topology: GpuTopology | None,
+                containers: Sequence[ContainerUsage], identities: Mapping[int, ProcessIdentity],
+                resolve: Callable[[int], ProcessIdentity | None] | None = None) -> NodeSignals: ...
+
+    def close(self) -> None: ...
+
+
 class Sampler:
     """Builds and publishes one Snapshot per interval; survives GPU backend failures."""
 
     def __init__(self, backend_factory: Callable[[], GpuBackend], resolver: IdentitySource, node: str,
                  interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 probe_source: ProbeSource | None = None, *, max_backoff_s: float = 30.0) -> None:
+                 probe_source: ProbeSource | None = None, *, max_backoff_s: float = 30.0,
+                 signal_source: SignalSource | None = None) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self._factory = backend_factory
@@ -74,6 +89,7 @@ class Sampler:
         self.interval_s = interval_s
         self._clock = clock
         self._probe_source = probe_source
+        self._signal_source = signal_source
         self._max_backoff_s = max(max_backoff_s, interval_s)
         self._backend: GpuBackend | None = None
         self._backoff_s = interval_s
@@ -121,6 +137,8 @@ class Sampler:
             self._thread = None
         with self._cycle_lock:
             self._drop_backend()
+            if self._signal_source is not None:
+                self._signal_source.close()
 
     @property
     def running(self) -> bool:
@@ -197,7 +215,8 @@ class Sampler:
                             gpu_error=self._last_error or "GPU backend unavailable",
                             probes_up=probes_up, probe_counters=counters,
                             probe_identities=self._probe_identities(counters), interval_s=self.interval_s,
-                            notes=notes, gpu_errors_total=self._gpu_errors_total)
+                            notes=notes, gpu_errors_total=self._gpu_errors_total,
+                            signals=self._signals(None, None, (), {}))
         self._resolver.begin_sweep()
         pids = {proc.pid for proc in sweep.processes}
         identities = dict(self._resolver.resolve_pids(pids))
@@ -213,13 +232,30 @@ class Sampler:
         self._state = result.state
         probe_identities = self._probe_identities(counters)
         containers = _merge_probes(result.containers, counters, probe_identities)
+        signals = self._signals(sweep.devices, sweep.topology, containers, identities)
+        devices = apply_health(sweep.devices, signals.health) if signals is not None else sweep.devices
         return Snapshot(
-            timestamp_s=sweep.timestamp_s, node=self.node, devices=sweep.devices, containers=containers,
+            timestamp_s=sweep.timestamp_s, node=self.node, devices=devices, containers=containers,
             pods=result.pods, namespaces=result.namespaces, gpu_up=True, gpu_error=None,
             probes_up=probes_up, probe_counters=counters, probe_identities=probe_identities,
             interval_s=self.interval_s, simulated=any(d.simulated for d in sweep.devices),
-            notes=notes + sweep.errors, gpu_errors_total=self._gpu_errors_total,
+            notes=notes + sweep.errors, gpu_errors_total=self._gpu_errors_total, signals=signals,
+            driver_version=sweep.driver_version, cuda_driver_version=sweep.cuda_driver_version,
         )
+
+    def _signals(self, devices: Sequence[DeviceInfo] | None, topology: GpuTopology | None,
+                 containers: Sequence[ContainerUsage], identities: Mapping[int, ProcessIdentity]
+                 ) -> NodeSignals | None:
+        if self._signal_source is None:
+            return None
+        try:
+            return self._signal_source.collect(devices, topology, containers, identities, self._resolve_one)
+        except (GpuwatchError, OSError, ValueError) as err:  # signals are optional: the usage snapshot goes on
+            log.warning("node signals failed this cycle: %s", err)
+            return None
+
+    def _resolve_one(self, pid: int) -> ProcessIdentity | None:
+        return self._resolver.resolve_pids((pid,)).get(pid)
 
     def _probe_identities(self, counters: Sequence[ProbeCounters]
                           ) -> tuple[tuple[int, ContainerIdentity], ...]:
@@ -255,7 +291,7 @@ def default_node_name() -> str:
 
 def build_sampler(nvml_library: str | None = None, interval_s: float = 1.0, node: str | None = None,
                   proc_root: str = "/proc", bundle_roots: BundleRoots | None = None,
-                  probe_source: ProbeSource | None = None) -> Sampler:
+                  probe_source: ProbeSource | None = None, signal_source: SignalSource | None = None) -> Sampler:
     """The production wiring used by `gpuwatch top` and `gpuwatch agent`.
 
     The NVML backend is created lazily by the sampler (and recreated after failures),
@@ -269,4 +305,4 @@ def build_sampler(nvml_library: str | None = None, interval_s: float = 1.0, node
 
     resolver = IdentityResolver(proc_root=proc_root, bundle_roots=bundle_roots)
     return Sampler(factory, resolver, node or default_node_name(), interval_s=interval_s,
-                   probe_source=probe_source)
+                   probe_source=probe_source, signal_source=signal_source)

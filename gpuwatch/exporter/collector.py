@@ -26,28 +26,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
-from gpuwatch.model import ContainerIdentity, DeviceInfo, Snapshot
+from gpuwatch.exporter.labels import (
+    CONTAINER_LABELS,
+    GPU_LABELS,
+    NAMESPACE_LABELS,
+    POD_LABELS,
+    PROBE_LABELS,
+    gpu_label,
+    identity_labels,
+)
+from gpuwatch.exporter.signals import health_reason, signal_families
+from gpuwatch.model import Snapshot
 
 log = logging.getLogger(__name__)
-
-GPU_LABELS = ["node", "gpu", "uuid", "model"]
-CONTAINER_LABELS = [*GPU_LABELS, "namespace", "pod", "pod_uid", "container", "container_id"]
-PROBE_LABELS = ["node", "namespace", "pod", "pod_uid", "container", "container_id"]
-POD_LABELS = ["node", "namespace", "pod", "pod_uid"]
-NAMESPACE_LABELS = ["node", "namespace"]
-
-
-def gpu_label(device: DeviceInfo) -> str:
-    """The `gpu` label: the index, or "<index>/mig<slot>" for a MIG instance."""
-    return f"{device.index}/mig{device.mig_index}" if device.mig_index is not None else str(device.index)
-
-
-def identity_labels(identity: ContainerIdentity) -> list[str]:
-    """namespace, pod, pod_uid, container, container_id for one identity."""
-    container = identity.container_name or (identity.container_id[:12] if identity.container_id
-                                            else identity.cgroup_path or "/")
-    return [identity.pod_namespace, identity.pod_name, identity.pod_uid, container, identity.container_id]
-
 
 class SnapshotCollector(Collector):
     """Yields gpuwatch_* metric families built from `get_snapshot()` on each scrape."""
@@ -65,7 +56,7 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = self._get_snapshot()
         families: list[Metric] = []
-        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes):
+        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, signal_families):
             try:
                 families.extend(build(snapshot))
             except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
@@ -120,7 +111,9 @@ class SnapshotCollector(Collector):
         temp = gauge("gpuwatch_gpu_temperature_celsius", "GPU core temperature.")
         power = gauge("gpuwatch_gpu_power_watts", "GPU power draw.")
         power_limit = gauge("gpuwatch_gpu_power_limit_watts", "Enforced GPU power limit.")
-        healthy = gauge("gpuwatch_gpu_healthy", "1 if the GPU is usable (not lost, no fatal Xid).")
+        healthy = GaugeMetricFamily("gpuwatch_gpu_healthy",
+                                    "1 if the GPU is usable; reason says why not (lost, xid, row-remap-failure, "
+                                    "ecc-uncorrectable, nvml-errors).", labels=[*GPU_LABELS, "reason"])
         xid = CounterMetricFamily("gpuwatch_gpu_xid_errors", "Xid errors seen since the agent started.",
                                   labels=GPU_LABELS)
         info = InfoMetricFamily("gpuwatch_gpu", "Static GPU facts.",
@@ -133,7 +126,7 @@ class SnapshotCollector(Collector):
                                   (power, d.power_watts), (power_limit, d.power_limit_watts)):
                 if value is not None:
                     family.add_metric(labels, float(value))
-            healthy.add_metric(labels, 1.0 if d.healthy else 0.0)
+            healthy.add_metric([*labels, health_reason(s, d.index, d.healthy)], 1.0 if d.healthy else 0.0)
             xid.add_metric(labels, d.xid_errors_total)
             info.add_metric(labels, {"pci_bus_id": d.pci_bus_id or "", "mig": str(d.is_mig).lower(),
                                      "parent_uuid": d.parent_uuid or "",

@@ -1,0 +1,182 @@
+"""Runs the node-signal sources once per sample interval and builds `NodeSignals`.
+
+The sampler calls `SignalCollector.collect()` after attribution, with what it already has
+(this sweep's devices and topology, the per-container usages, the pid identities), so no
+source reads /proc or NVML a second time. Per cycle:
+* the kernel log is polled (non-blocking, bounded) for Xid lines; each Xid is put on its
+  GPU by PCI address and on the container of the pid it names -- from this cycle's
+  identities, or the last cycle's (the process an Xid killed is often gone already), or a
+  fresh lookup; Xids whose process cannot be found are counted as unattributed;
+* the health tracker turns the devices plus the kernel-log Xids into verdicts;
+* the network reader reads the node's NICs, RDMA ports and the network namespaces of the
+  containers that use a GPU (one pid each).
+Per-container Xid counters are kept while their container is seen and for
+`xid_retention_s` after, at most `max_xid_series` of them (oldest dropped first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpuwatch.model import (
+    ContainerIdentity,
+    ContainerNetwork,
+    ContainerUsage,
+    ContainerXid,
+    DeviceInfo,
+    GpuTopology,
+    NicStats,
+    NodeSignals,
+    ProcessIdentity,
+    RdmaPort,
+)
+from gpuwatch.signals.health import HealthTracker
+from gpuwatch.signals.kmsg import KmsgReader, XidRecord, pci_address
+
+log = logging.getLogger(__name__)
+
+
+class NetworkSource(Protocol):
+    """What the collector needs from gpuwatch.signals.network.NetworkReader."""
+
+    errors_total: dict[str, int]
+
+    def read_nics(self) -> tuple[NicStats, ...]: ...
+
+    def read_rdma(self) -> tuple[RdmaPort, ...]: ...
+
+    def read_containers(self, targets: Sequence[tuple[ContainerIdentity, int]]) -> tuple[ContainerNetwork, ...]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _XidCount:
+    identity: ContainerIdentity
+    count: int
+    seen_s: float  # last time its container was seen or an Xid counted
+
+
+class SignalCollector:
+    """Health, Xid attribution, topology and network for one node, once per interval."""
+
+    def __init__(self, health: HealthTracker | None = None, kmsg: KmsgReader | None = None,
+                 network: NetworkSource | None = None, *, xid_retention_s: float = 3600.0,
+                 max_xid_series: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = health or HealthTracker()
+        self.kmsg = kmsg
+        self.network = network
+        self._xid_retention_s = xid_retention_s
+        self._max_xid_series = max_xid_series
+        self._clock = clock
+        self._xids: dict[tuple[str, int, int], _XidCount] = {}  # (container key, gpu index, xid)
+        self._previous_identities: Mapping[int, ProcessIdentity] = {}
+        self._topology: GpuTopology | None = None
+        self.xid_unattributed_total = 0
+        self.xid_unknown_gpu_total = 0
+
+    def close(self) -> None:
+        if self.kmsg is not None:
+            self.kmsg.close()
+        if self.network is not None:
+            self.network.close()
+
+    def collect(self, devices: Sequence[DeviceInfo] | None, topology: GpuTopology | None,
+                containers: Sequence[ContainerUsage], identities: Mapping[int, ProcessIdentity],
+                resolve: Callable[[int], ProcessIdentity | None] | None = None) -> NodeSignals:
+        """`devices` None: no GPU sweep this cycle (NVML down)."""
+        now_s = self._clock()
+        if topology is not None:
+            self._topology = topology
+        records = self.kmsg.poll() if self.kmsg is not None else []
+        known = devices if devices is not None else self.health.last_devices()
+        kernel_xids = self._attribute_xids(records, known, identities, resolve, now_s)
+        health = self.health.update(devices, kernel_xids)
+        self._expire_xids(containers, now_s)
+        self._previous_identities = identities
+        nics: tuple[NicStats, ...] = ()
+        rdma: tuple[RdmaPort, ...] = ()
+        networks: tuple[ContainerNetwork, ...] = ()
+        if self.network is not None:
+            nics = self.network.read_nics()
+            rdma = self.network.read_rdma()
+            networks = self.network.read_containers(_network_targets(containers))
+        return NodeSignals(
+            health=health, topology=self._topology, nics=nics, rdma_ports=rdma,
+            container_xids=tuple(ContainerXid(identity=entry.identity, gpu_index=gpu, xid=xid, count=entry.count)
+                                 for (_, gpu, xid), entry in self._xids.items()),
+            container_network=networks, errors_total=self._errors(),
+            kmsg_malformed_total=self.kmsg.malformed_total if self.kmsg is not None else 0,
+        )
+
+    # ---- Xid attribution ----------------------------------------------------------------
+
+    def _attribute_xids(self, records: Sequence[XidRecord], devices: Sequence[DeviceInfo],
+                        identities: Mapping[int, ProcessIdentity],
+                        resolve: Callable[[int], ProcessIdentity | None] | None,
+                        now_s: float) -> list[tuple[int, int]]:
+        if not records:
+            return []
+        by_pci = {pci_address(d.pci_bus_id): d.index for d in devices if not d.is_mig}
+        found: list[tuple[int, int]] = []
+        for record in records:
+            gpu = by_pci.get(record.pci_address)
+            if gpu is None:
+                self.xid_unknown_gpu_total += 1
+                continue
+            found.append((gpu, record.xid))
+            if record.pid is None:
+                continue  # the driver did not know the process: GPU-level only
+            process = identities.get(record.pid) or self._previous_identities.get(record.pid)
+            if process is None and resolve is not None:
+                process = resolve(record.pid)
+            if process is None:
+                self.xid_unattributed_total += 1
+                continue
+            key = (process.identity.key, gpu, record.xid)
+            entry = self._xids.get(key)
+            if entry is None:
+                self._xids[key] = _XidCount(process.identity, 1, now_s)
+            else:
+                entry.count += 1
+                entry.seen_s = now_s
+        return found
+
+    def _expire_xids(self, containers: Sequence[ContainerUsage], now_s: float) -> None:
+        if not self._xids:
+            return
+        present = {c.identity.key for c in containers}
+        for key, entry in list(self._xids.items()):
+            if key[0] in present:
+                entry.seen_s = now_s
+            elif now_s - entry.seen_s > self._xid_retention_s:
+                del self._xids[key]
+        if len(self._xids) > self._max_xid_series:
+            by_age = sorted(self._xids, key=lambda k: self._xids[k].seen_s)
+            for key in by_age[: len(self._xids) - self._max_xid_series]:
+                del self._xids[key]
+
+    def _errors(self) -> tuple[tuple[str, int], ...]:
+        errors: list[tuple[str, int]] = []
+        if self.kmsg is not None:
+            errors += [("kmsg", self.kmsg.errors_total), ("kmsg_lost_records", self.kmsg.lost_records_total)]
+        errors += [("xid_unattributed", self.xid_unattributed_total),
+                   ("xid_unknown_gpu", self.xid_unknown_gpu_total)]
+        if self.network is not None:
+            errors += [(f"network_{source}", count) for source, count in sorted(self.network.errors_total.items())]
+        return tuple(errors)
+
+
+def _network_targets(containers: Sequence[ContainerUsage]) -> list[tuple[ContainerIdentity, int]]:
+    """One live pid per container that uses a GPU (host processes have no network of their own)."""
+    targets: dict[str, tuple[ContainerIdentity, int]] = {}
+    for usage in containers:
+        identity = usage.identity
+        if not identity.is_container or identity.key in targets or not usage.processes:
+            continue
+        targets[identity.key] = (identity, usage.processes[0].pid)
+    return list(targets.values())
