@@ -156,7 +156,8 @@ class SignalCollector:
             elif now_s - entry.seen_s > self._xid_retention_s:
                 del self._xids[key]
         if len(self._xids) > self._max_xid_series:
-            by_age = sorted(self._xids, key=lambda k: self._xids[k].seen_s)
+            # gone containers first, oldest first
+            by_age = sorted(self._xids, key=lambda k: (k[0] in present, self._xids[k].seen_s))
             for key in by_age[: len(self._xids) - self._max_xid_series]:
                 del self._xids[key]
 
