@@ -47,7 +47,7 @@ def sim() -> None:
     gpuwatch sim run --mib-per-step 4096 --duty 0.5 &
     gpuwatch sim status
     eval "$(gpuwatch sim env)"             # point NVML tools (nvitop, pynvml) at it
-    gpuwatch sim fault xid --gpu 0 --xid 79
+    gpuwatch sim fault xid --gpu 0 --code 79 --pid 1234
     gpuwatch sim down
     """
 
@@ -74,8 +74,17 @@ def sim() -> None:
     is_flag=True,
     help="Contexts also RM_ALLOC the client, device (0x80) and subdevice (0x2080), as the real driver does.",
 )
-def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: str, rm_device_handles: bool) -> None:
-    """Bring a simulated node up (re-creating it resets its ledger)."""
+@click.option(
+    "--topology",
+    type=click.Choice(["pcie", "nvlink-pairs", "nvswitch"]),
+    default="pcie",
+    show_default=True,
+    help="GPU interconnect: PCIe only, NVLink bridges between GPU pairs, or NVSwitches.",
+)
+def up_cmd(
+    name: str, devices: int, model: str, memory: str, rm_alloc_params: str, rm_device_handles: bool, topology: str
+) -> None:
+    """Bring a simulated node up (re-creating it resets its ledger and kernel log)."""
     from gpuwatch.sim import node as simnode
 
     n = simnode.up(
@@ -85,10 +94,12 @@ def up_cmd(name: str, devices: int, model: str, memory: str, rm_alloc_params: st
         name=name,
         rm_alloc_params=rm_alloc_params,
         rm_device_handles=rm_device_handles,
+        topology=topology,
     )
-    click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each")
+    click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each, {topology}")
     click.echo(f"  state  {n.state_path}")
     click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
+    click.echo(f"  kmsg   {n.kmsg_path}  (Xid kernel-log records)")
     click.echo(f"  libs   {n.libraries.lib_dir}")
     click.echo(f"  nvml   {n.libraries.nvml_path}")
     click.echo(f'use it:  eval "$(gpuwatch sim env --name {n.name})"')
@@ -114,8 +125,9 @@ def status_cmd(name: str) -> None:
 
     st = simnode.status(simnode.get_node(name))
     gib = 1024**3
+    click.echo(f"topology {st.node.topology}, kernel log {st.node.kmsg_path}")
     for d in st.devices:
-        flags = " LOST" if d.lost else ""
+        flags = (" LOST" if d.lost else "") + (" ROW-REMAP-FAILURE" if d.row_remap_failure else "")
         click.echo(
             f"GPU {d.index}  {d.name}  {d.uuid}  {d.memory_used_bytes / gib:.2f} / "
             f"{d.memory_total_bytes / gib:.2f} GiB  util {d.utilization_percent}%{flags}"
@@ -141,16 +153,25 @@ def env_cmd(name: str) -> None:
 
 @sim.command("fault")
 @_NODE_OPTION
-@click.argument("kind", type=click.Choice(["xid", "lost", "ecc", "clear"]))
+@click.argument("kind", type=click.Choice(["xid", "lost", "ecc", "row-remap-failure", "clear"]))
 @click.option("--gpu", required=True, type=int, help="Device index.")
-@click.option("--xid", default=79, show_default=True, help="XID number (kind xid).")
+@click.option("--code", "--xid", "code", default=79, show_default=True, help="Xid code (kind xid).")
+@click.option(
+    "--pid",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Process the kernel-log Xid record names (default: pid='<unknown>').",
+)
 @click.option("--count", default=1, show_default=True, help="ECC error count (kind ecc).")
 @click.option("--uncorrected", is_flag=True, help="ECC errors are uncorrectable (double bit).")
-def fault_cmd(name: str, kind: str, gpu: int, xid: int, count: int, uncorrected: bool) -> None:
-    """Inject a fault: xid (XID event), lost (GPU falls off the bus), ecc, or clear."""
+def fault_cmd(name: str, kind: str, gpu: int, code: int, pid: int | None, count: int, uncorrected: bool) -> None:
+    """Inject a fault: xid (NVML XID event + kernel-log record), lost (GPU falls off the
+    bus, Xid 79), ecc, row-remap-failure, or clear (a GPU reset)."""
     from gpuwatch.sim import node as simnode
 
-    simnode.inject_fault(simnode.get_node(name), kind, gpu, xid=xid, count=count, uncorrected=uncorrected)
+    simnode.inject_fault(
+        simnode.get_node(name), kind, gpu, xid=code, count=count, uncorrected=uncorrected, pid=pid
+    )
     click.echo(f"injected {kind} on GPU {gpu} of sim node {name!r}")
 
 

@@ -24,8 +24,10 @@ DEFAULT_NAME = "default"
 DEFAULT_MODEL = "H100 80GB HBM3"
 DEFAULT_MEMORY_BYTES = 80 * 1024**3
 MAX_DEVICES = 8
-FAULT_KINDS = {"xid": 0, "lost": 1, "ecc": 2, "clear": 3}
+FAULT_KINDS = {"xid": 0, "lost": 1, "ecc": 2, "clear": 3, "row-remap-failure": 4}
+_LOST_QUIET = 5  # lost without a kernel-log record: the node is being taken down
 RM_ALLOC_LAYOUTS = {"nvos64": 0, "nvos21": 1}
+TOPOLOGIES = {"pcie": 0, "nvlink-pairs": 1, "nvswitch": 2}
 _NULL_MAJOR_MINOR = (1, 3)  # /dev/null: opens and ioctls succeed harmlessly (ENOTTY)
 _NOT_UP_FIX = "run `gpuwatch sim up`"
 
@@ -39,6 +41,7 @@ class SimNode:
     root: Path
     libraries: SimLibraries
     device_count: int
+    topology: str = "pcie"  # one of TOPOLOGIES
 
     @property
     def dev_dir(self) -> Path:
@@ -47,6 +50,11 @@ class SimNode:
     @property
     def progress_dir(self) -> Path:
         return self.root / "progress"
+
+    @property
+    def kmsg_path(self) -> Path:
+        """The node's kernel log: one /dev/kmsg-format record per Xid, appended atomically."""
+        return self.root / "kmsg"
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,9 @@ class SimDevice:
     lost: bool
     ecc_corrected_volatile: int
     ecc_uncorrected_volatile: int
+    row_remap_failure: bool = False
+    row_remap_pending: bool = False
+    remapped_rows_uncorrectable: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,9 @@ class _DeviceInfo(ctypes.Structure):
         ("minor", ctypes.c_uint32),
         ("lost", ctypes.c_uint32),
         ("utilization_percent", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("remap_failure", ctypes.c_uint32),
+        ("remapped_rows_unc", ctypes.c_uint32),
+        ("remap_pending", ctypes.c_uint32),
     ]
 
 
@@ -160,6 +173,7 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_ulonglong,
             ctypes.c_uint,
             ctypes.c_uint,
+            ctypes.c_uint,
         ]
         lib.gpuwatchsim_inject.argtypes = [
             ctypes.c_char_p,
@@ -167,10 +181,16 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_uint,
             ctypes.c_ulonglong,
             ctypes.c_uint,
+            ctypes.c_int,
         ]
         lib.gpuwatchsim_list.argtypes = [ctypes.c_char_p, ctypes.POINTER(_ProcInfo), ctypes.c_uint]
         lib.gpuwatchsim_device.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_DeviceInfo)]
-        lib.gpuwatchsim_node.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+        lib.gpuwatchsim_node.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_uint,
+            ctypes.POINTER(ctypes.c_uint),
+        ]
         _helper_libs[libs.nvml_path] = lib
     return lib
 
@@ -200,6 +220,7 @@ def up(
     root: Path | None = None,
     rm_alloc_params: str = "nvos64",
     rm_device_handles: bool = False,
+    topology: str = "pcie",
 ) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
@@ -207,8 +228,12 @@ def up(
     or NVOS21, 32 B). With `rm_device_handles`, each process's first context on a device
     also RM_ALLOCs the RM client (0x41), NV01_DEVICE_0 (0x80, deviceId = minor) and
     NV20_SUBDEVICE_0 (0x2080), as the real driver sequence does, so probes can map device
-    handles to GPUs. Re-creating a node that is up resets its ledger: processes of the
-    old node keep their mapping of the old (unlinked) file and are no longer seen."""
+    handles to GPUs. `topology` is the GPU interconnect NVML reports: "pcie" (no NVLink),
+    "nvlink-pairs" (GPUs 2k and 2k+1 bridged by 4 NVLinks) or "nvswitch" (18 NVLinks per
+    GPU, all to NVSwitches); the PCIe common ancestors are the same in all three (see the
+    README). Re-creating a node that is up resets its ledger and empties its kernel log
+    (`kmsg_path`): processes of the old node keep their mapping of the old (unlinked)
+    file and are no longer seen."""
     _check_name(name)
     if not 1 <= devices <= MAX_DEVICES:
         raise SimError(
@@ -219,6 +244,8 @@ def up(
         raise SimError(f"device memory of {memory_bytes} bytes is too small", fix="pass at least 1 MiB")
     if rm_alloc_params not in RM_ALLOC_LAYOUTS:
         raise SimError(f"unknown RM_ALLOC layout {rm_alloc_params!r}", fix="use nvos64 or nvos21")
+    if topology not in TOPOLOGIES:
+        raise SimError(f"unknown GPU topology {topology!r}", fix=f"use one of {', '.join(TOPOLOGIES)}")
     libs = build_sim_libraries()
     state = state_path or state_path_for(name)
     sim_root = root or root_for(name)
@@ -231,6 +258,9 @@ def up(
             _make_device_node(sim_root / "dev" / "nvidia-uvm"),
         ]
         real += [_make_device_node(sim_root / "dev" / f"nvidia{i}") for i in range(devices)]
+        kmsg = sim_root / "kmsg"
+        kmsg.write_bytes(b"")  # a new node is a new boot: its kernel log starts empty
+        os.chmod(kmsg, 0o644)
     except OSError as err:
         raise SimError(
             f"cannot create the sim root {sim_root}: {err}",
@@ -245,13 +275,16 @@ def up(
         memory_bytes,
         RM_ALLOC_LAYOUTS[rm_alloc_params],
         int(rm_device_handles),
+        TOPOLOGIES[topology],
     )
     if rc < 0:
         raise SimError(
             f"cannot create the sim state file {state}: {os.strerror(-rc)}",
             fix="check that /dev/shm is writable",
         )
-    node = SimNode(name=name, state_path=state, root=sim_root, libraries=libs, device_count=devices)
+    node = SimNode(
+        name=name, state_path=state, root=sim_root, libraries=libs, device_count=devices, topology=topology
+    )
     info = {
         "name": name,
         "state_path": str(state),
@@ -263,6 +296,8 @@ def up(
         "char_device_nodes": all(real),
         "rm_alloc_params": rm_alloc_params,
         "rm_device_handles": rm_device_handles,
+        "topology": topology,
+        "kmsg": str(node.kmsg_path),
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
     return node
@@ -276,14 +311,16 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
         raise SimError(f"sim is not up: no state file {state}", fix=_NOT_UP_FIX)
     libs = build_sim_libraries()
     root_buf = ctypes.create_string_buffer(256)
-    count = _helper(libs).gpuwatchsim_node(str(state).encode(), root_buf, len(root_buf))
+    topo = ctypes.c_uint(0)
+    count = _helper(libs).gpuwatchsim_node(str(state).encode(), root_buf, len(root_buf), ctypes.byref(topo))
     if count < 0:
         raise SimError(
             f"sim state file {state} is unreadable: {os.strerror(-count)}",
             fix=f"run `gpuwatch sim down --name {name}` then `gpuwatch sim up --name {name}`",
         )
     root = Path(root_buf.value.decode())
-    return SimNode(name=name, state_path=state, root=root, libraries=libs, device_count=count)
+    topology = next((k for k, v in TOPOLOGIES.items() if v == topo.value), "pcie")
+    return SimNode(name=name, state_path=state, root=root, libraries=libs, device_count=count, topology=topology)
 
 
 def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:
@@ -300,7 +337,7 @@ def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:
             node = get_node(name, state_path=state)
             root = node.root
             for gpu in range(node.device_count):
-                inject_fault(node, "lost", gpu)
+                _inject(node, _LOST_QUIET, "lost", gpu, 0, False, None)
         except SimError:
             root = None
         state.unlink(missing_ok=True)
@@ -354,17 +391,38 @@ def status(node: SimNode) -> SimStatus:
                 lost=bool(d.lost),
                 ecc_corrected_volatile=d.ecc_corrected_volatile,
                 ecc_uncorrected_volatile=d.ecc_uncorrected_volatile,
+                row_remap_failure=bool(d.remap_failure),
+                row_remap_pending=bool(d.remap_pending),
+                remapped_rows_uncorrectable=d.remapped_rows_unc,
             )
         )
     return SimStatus(node=node, devices=tuple(devices), processes=procs)
 
 
 def inject_fault(
-    node: SimNode, kind: str, gpu: int, *, xid: int = 79, count: int = 1, uncorrected: bool = False
+    node: SimNode,
+    kind: str,
+    gpu: int,
+    *,
+    xid: int = 79,
+    count: int = 1,
+    uncorrected: bool = False,
+    pid: int | None = None,
 ) -> None:
-    """Inject a fault: `xid` (an XID event), `lost` (GPU falls off the bus: NVML returns
-    GPU_IS_LOST, CUDA calls fail, XID 79 is delivered), `ecc` (ECC error counts + event)
-    or `clear` (undo lost and volatile ECC counts)."""
+    """Inject a fault on GPU `gpu`:
+
+    * `xid`: an Xid error with code `xid`: an NVML XID event, and one record in the
+      node's kernel log (`node.kmsg_path`) naming `pid` and its comm (`pid` None: the
+      driver's `pid='<unknown>', name=<unknown>` form);
+    * `lost`: the GPU falls off the bus: NVML returns GPU_IS_LOST, CUDA calls fail, Xid
+      79 is delivered and logged;
+    * `ecc`: `count` ECC errors (+ event); `uncorrected` ones also mark `count` rows
+      remapped, pending until the next reset;
+    * `row-remap-failure`: nvmlDeviceGetRemappedRows reports failureOccurred (no event:
+      inject `xid` 64 for the driver's Xid);
+    * `clear`: a GPU reset: undo lost, volatile ECC counts, pending remaps and the remap
+      failure.
+    """
     if kind not in FAULT_KINDS:
         raise SimError(f"unknown fault kind {kind!r}", fix=f"use one of {', '.join(FAULT_KINDS)}")
     if not 0 <= gpu < node.device_count:
@@ -372,12 +430,26 @@ def inject_fault(
             f"no GPU {gpu} on sim node {node.name!r} ({node.device_count} devices)",
             fix=f"pass --gpu between 0 and {node.device_count - 1}",
         )
+    if kind == "xid" and not 0 <= xid < 2**31:
+        raise SimError(f"Xid {xid} is out of range", fix="pass a code such as 13, 48, 79 or 94")
+    if pid is not None and pid <= 0:
+        raise SimError(f"pid {pid} is not a process id", fix="pass the pid of a process, or no --pid")
     data = xid if kind == "xid" else count
+    _inject(node, FAULT_KINDS[kind], kind, gpu, data, uncorrected, pid)
+
+
+def _inject(node: SimNode, code: int, kind: str, gpu: int, data: int, uncorrected: bool, pid: int | None) -> None:
     rc = _helper(node.libraries).gpuwatchsim_inject(
-        str(node.state_path).encode(), gpu, FAULT_KINDS[kind], data, int(uncorrected)
+        str(node.state_path).encode(), gpu, code, data, int(uncorrected), pid or 0
     )
     if rc < 0:
         raise SimError(f"cannot inject {kind} on GPU {gpu}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
+    if rc > 0:
+        raise SimError(
+            f"injected {kind} on GPU {gpu}, but its kernel-log record could not be written to "
+            f"{node.kmsg_path}: {os.strerror(rc)}",
+            fix="check that the sim root exists and is writable (`gpuwatch sim up` re-creates it)",
+        )
 
 
 def sim_env(node: SimNode, base: dict[str, str] | None = None) -> dict[str, str]:

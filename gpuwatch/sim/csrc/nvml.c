@@ -1200,8 +1200,9 @@ _Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
 #define NVML_FI_DEV_NVLINK_LINK_COUNT 91
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 
-/* The simulated board has no NVLink: link count 0; every other field is answered
- * per entry with NVML_ERROR_NOT_SUPPORTED, as the real call does for absent features. */
+/* NVLink link count: 0 on a PCIe node, NVML_NVLINK_MAX_LINKS (H100 SXM) otherwise; every
+ * other field is answered per entry with NVML_ERROR_NOT_SUPPORTED, as the real call does
+ * for absent features. */
 API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values)
 {
     DEV_OR_RETURN(i, d);
@@ -1209,27 +1210,46 @@ API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldVa
     if (count < 0 || (count > 0 && !values))
         return NVML_ERROR_INVALID_ARGUMENT;
     long long now_us = (long long)(sim_realtime_ns() / 1000ULL);
+    unsigned links = g_sim.hdr->topology == SIM_TOPO_PCIE ? 0u : (unsigned)SIM_NVLINK_MAX_LINKS;
     for (int k = 0; k < count; k++) {
         nvmlFieldValue_t *v = &values[k];
         v->timestamp = now_us;
         v->latencyUsec = 0;
         v->value = 0;
+        v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
         if (v->fieldId == NVML_FI_DEV_NVLINK_LINK_COUNT) {
-            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value = links;
             v->nvmlReturn = NVML_SUCCESS;
         } else {
-            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }
     }
     return NVML_SUCCESS;
 }
 
-/* ---- topology ---- */
+/* ---- topology ----
+ *
+ * PCIe (every topology): pairs (0,1), (2,3)... share a PCIe switch (SINGLE); the first
+ * half of the devices hangs off host bridges of CPU/NUMA node 0, the second half off
+ * CPU 1; two switches of one half sit under different host bridges of that CPU (NODE);
+ * across halves the path crosses the CPU interconnect (SYSTEM). This is the layout of an
+ * 8-GPU HGX board: 4 PCIe switches with 2 GPUs each, 2 per CPU socket.
+ *
+ * NVLink (header.topology):
+ *   pcie          no NVLink (a PCIe card or a VM): NVLink calls answer NOT_SUPPORTED.
+ *   nvlink-pairs  GPUs 2k and 2k+1 are bridged: links 0..SIM_PAIR_LINKS-1 active, remote
+ *                 device a GPU (the peer's PCI bus id); other links inactive. An odd last
+ *                 GPU has no peer: NVLink supported, no link active.
+ *   nvswitch      every link active, each to one of SIM_NVSWITCHES NVSwitches (remote type
+ *                 SWITCH, PCI bus 0xC0 + switch; links 0-4, 5-8, 9-12, 13-17 as on HGX H100).
+ * Link numbers >= NVML_NVLINK_MAX_LINKS (18 for driver 550) are INVALID_ARGUMENT; the
+ * remote end of an inactive link is NOT_SUPPORTED.
+ */
+#define NVML_TOPOLOGY_INTERNAL 0
+#define NVML_TOPOLOGY_SINGLE 10
+#define NVML_TOPOLOGY_NODE 40
+#define NVML_TOPOLOGY_SYSTEM 50
 
-/* NVML_TOPOLOGY_INTERNAL 0, SINGLE 10, MULTIPLE 20, HOSTBRIDGE 30, NODE 40, SYSTEM 50.
- * Layout of the simulated board: pairs (0,1), (2,3)... share a PCIe switch (SINGLE);
- * the first half of the devices sits on NUMA node 0, the second half on node 1. */
 API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, unsigned int *level)
 {
     DEV_OR_RETURN(i, a);
@@ -1238,13 +1258,162 @@ API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned n = g_sim.hdr->device_count, half = (n + 1) / 2;
     if (i == j)
-        *level = 0;
+        *level = NVML_TOPOLOGY_INTERNAL;
     else if (i / 2 == j / 2)
-        *level = 10;
+        *level = NVML_TOPOLOGY_SINGLE;
     else if (((unsigned)i < half) == ((unsigned)j < half))
-        *level = 40;
+        *level = NVML_TOPOLOGY_NODE;
     else
-        *level = 50;
+        *level = NVML_TOPOLOGY_SYSTEM;
+    return NVML_SUCCESS;
+}
+
+#define NVML_NVLINK_DEVICE_TYPE_GPU 0x00
+#define NVML_NVLINK_DEVICE_TYPE_SWITCH 0x02
+#define NVML_NVLINK_VERSION_4_0 6 /* nvmlNvlinkVersion_t of Hopper's NVLink 4 */
+#define NVML_NVLINK_CAP_COUNT 6
+#define NVSWITCH_PCI_DEVICE_ID 0x22a310deu /* NVSwitch (LS10) | NVIDIA vendor id */
+
+/* remote end of (device i, link): 0 none (inactive), 1 GPU (*peer), 2 NVSwitch (*peer) */
+static int link_remote(int i, unsigned link, unsigned *peer)
+{
+    switch (g_sim.hdr->topology) {
+    case SIM_TOPO_NVLINK_PAIRS: {
+        unsigned p = (unsigned)i ^ 1u;
+        if (link >= SIM_PAIR_LINKS || p >= g_sim.hdr->device_count)
+            return 0;
+        *peer = p;
+        return 1;
+    }
+    case SIM_TOPO_NVSWITCH:
+        *peer = link < 5 ? 0 : link < 9 ? 1 : link < 13 ? 2 : 3;
+        return 2;
+    default:
+        return 0;
+    }
+}
+
+/* common checks of the per-link calls: returns the device index or a negative NVML error */
+static int check_link(nvmlDevice_t d, unsigned link, const void *out)
+{
+    int i = check_dev(d);
+    if (i < 0)
+        return i;
+    if (!out || link >= SIM_NVLINK_MAX_LINKS)
+        return -NVML_ERROR_INVALID_ARGUMENT;
+    if (g_sim.hdr->topology == SIM_TOPO_PCIE)
+        return -NVML_ERROR_NOT_SUPPORTED;
+    return i;
+}
+
+#define LINK_OR_RETURN(var, handle, link, out) \
+    int var = check_link(handle, link, out);    \
+    if (var < 0)                                \
+        return -var
+
+API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, unsigned int *is_active)
+{
+    LINK_OR_RETURN(i, d, link, is_active);
+    unsigned peer;
+    *is_active = link_remote(i, link, &peer) ? 1u /* NVML_FEATURE_ENABLED */ : 0u;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, unsigned int *version)
+{
+    LINK_OR_RETURN(i, d, link, version);
+    (void)i;
+    *version = NVML_NVLINK_VERSION_4_0;
+    return NVML_SUCCESS;
+}
+
+/* capabilities of an H100 SXM link: P2P and P2P atomics over NVLink, no system memory
+ * access (that is NVLink-C2C on Grace), no SLI; every link is a valid link */
+API nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t d, unsigned int link, unsigned int capability,
+                                               unsigned int *result)
+{
+    LINK_OR_RETURN(i, d, link, result);
+    (void)i;
+    static const unsigned caps[NVML_NVLINK_CAP_COUNT] = {1, 0, 1, 0, 0, 1};
+    if (capability >= NVML_NVLINK_CAP_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *result = caps[capability];
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t d, unsigned int link, unsigned int *type)
+{
+    LINK_OR_RETURN(i, d, link, type);
+    unsigned peer;
+    int kind = link_remote(i, link, &peer);
+    if (!kind)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *type = kind == 1 ? NVML_NVLINK_DEVICE_TYPE_GPU : NVML_NVLINK_DEVICE_TYPE_SWITCH;
+    return NVML_SUCCESS;
+}
+
+/* PCI location of the remote end; 0 or a negative NVML error */
+static int remote_pci(nvmlDevice_t d, unsigned link, const void *out, unsigned *bus, unsigned *dev_id)
+{
+    int i = check_link(d, link, out);
+    if (i < 0)
+        return i;
+    unsigned peer;
+    int kind = link_remote(i, link, &peer);
+    if (!kind)
+        return -NVML_ERROR_NOT_SUPPORTED;
+    if (kind == 1) {
+        *bus = g_sim.hdr->devices[peer].pci_bus;
+        *dev_id = 0x233010deu;
+    } else {
+        *bus = 0xc0u + peer;
+        *dev_id = NVSWITCH_PCI_DEVICE_ID;
+    }
+    return 0;
+}
+
+/* pciSubSystemId is not filled in by the real call either ("indeterminate") */
+API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci)
+{
+    unsigned bus = 0, dev_id = 0;
+    int rc = remote_pci(d, link, pci, &bus, &dev_id);
+    if (rc < 0)
+        return -rc;
+    memset(pci, 0, sizeof(*pci));
+    pci->bus = bus;
+    pci->pciDeviceId = dev_id;
+    snprintf(pci->busId, sizeof(pci->busId), "%08X:%02X:%02X.0", 0u, bus, 0u);
+    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.0", 0u, bus, 0u);
+    return NVML_SUCCESS;
+}
+
+/* the unversioned entry point fills the old (v1/v2) struct layout */
+API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t d, unsigned int link, nvmlPciInfo_v2_t *pci)
+{
+    unsigned bus = 0, dev_id = 0;
+    int rc = remote_pci(d, link, pci, &bus, &dev_id);
+    if (rc < 0)
+        return -rc;
+    memset(pci, 0, sizeof(*pci));
+    pci->bus = bus;
+    pci->pciDeviceId = dev_id;
+    snprintf(pci->busId, sizeof(pci->busId), "%04X:%02X:%02X.0", 0u, bus, 0u);
+    return NVML_SUCCESS;
+}
+
+/* ---- row remapping ---- */
+
+API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr_rows, unsigned int *unc_rows,
+                                           unsigned int *is_pending, unsigned int *failure_occurred)
+{
+    DEV_OR_RETURN(i, d);
+    if (!corr_rows || !unc_rows || !is_pending || !failure_occurred)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct sim_device *dev = &g_sim.hdr->devices[i];
+    *corr_rows = __atomic_load_n(&dev->remapped_rows_corr, __ATOMIC_RELAXED);
+    *unc_rows = __atomic_load_n(&dev->remapped_rows_unc, __ATOMIC_RELAXED);
+    *is_pending = __atomic_load_n(&dev->remap_pending, __ATOMIC_RELAXED) ? 1u : 0u;
+    *failure_occurred = __atomic_load_n(&dev->remap_failure, __ATOMIC_RELAXED) ? 1u : 0u;
     return NVML_SUCCESS;
 }
 
@@ -1383,9 +1552,10 @@ API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 /* Create (or replace) a node's state file. Returns 0 or -errno. */
 API int gpuwatchsim_create(const char *path, const char *node_name, const char *root, unsigned device_count,
                            const char *model, unsigned long long memory_bytes, unsigned rm_alloc_params,
-                           unsigned rm_device_handles)
+                           unsigned rm_device_handles, unsigned topology)
 {
-    if (!path || !node_name || !root || !model || device_count == 0 || device_count > SIM_MAX_DEVICES)
+    if (!path || !node_name || !root || !model || device_count == 0 || device_count > SIM_MAX_DEVICES ||
+        topology > SIM_TOPO_NVSWITCH)
         return -EINVAL;
     char tmp[SIM_PATH_LEN + 16];
     snprintf(tmp, sizeof(tmp), "%s.tmp%d", path, (int)getpid());
@@ -1415,6 +1585,7 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
     h->cuda_driver_version = 12040;
     h->rm_alloc_params = rm_alloc_params;
     h->rm_device_handles = rm_device_handles ? 1u : 0u;
+    h->topology = topology;
     /* stable, obviously-fake identities derived from the node name */
     uint32_t seed = 2166136261u;
     for (const char *c = node_name; *c; c++)
@@ -1507,9 +1678,116 @@ static void helper_close(struct sim_handle *h)
     (void)h; /* cached; see helper_open */
 }
 
-/* kinds: 0 xid (data = xid), 1 lost, 2 ecc (data = count; uncorrected when flag), 3 clear */
+/* ---- kernel log: <sim root>/kmsg ----
+ *
+ * What the real driver prints for an Xid (src/nvidia/src/kernel/gpu/rc/kernel_rc.c):
+ *   NVRM: Xid (PCI:%04x:%02x:%02x): %d, pid=%s, name=%s, <message>
+ * with pid='<unknown>' and name=<unknown> when no channel/process is known. It goes
+ * through printk without a level, so /dev/kmsg shows it at the default level 4
+ * (warning). Records use the /dev/kmsg format "<prio>,<seq>,<usec>,-;<message>\n"
+ * (usec on CLOCK_MONOTONIC, seq per node), each appended with one write(O_APPEND) so
+ * a concurrent reader never sees half a record. */
+
+static const char *xid_description(unsigned code)
+{
+    switch (code) {
+    case 13: return "Graphics Engine Exception";
+    case 31: return "GPU memory page fault";
+    case 43: return "GPU stopped processing";
+    case 45: return "Preemptive cleanup, due to previous errors";
+    case 48: return "An uncorrectable double bit error (DBE) has been detected on GPU";
+    case 63: return "ECC page retirement or row remapping recording event";
+    case 64: return "ECC page retirement or row remapper recording failure";
+    case 68: return "Video processor exception";
+    case 74: return "NVLink Error";
+    case 79: return "GPU has fallen off the bus.";
+    case 92: return "High single-bit ECC error rate";
+    case 94: return "Contained ECC error";
+    case 95: return "Uncontained ECC error";
+    case 109: return "Context Switch Timeout Error";
+    case 119: return "Timeout waiting for RPC from GSP";
+    case 120: return "GSP Error";
+    default: return "Error";
+    }
+}
+
+/* append src to dst[*n..cap) escaping as the kernel's /dev/kmsg does (\xNN for control
+ * bytes, bytes >= 0x7f and the backslash) */
+static void kmsg_escape(char *dst, size_t *n, size_t cap, const char *src)
+{
+    for (const unsigned char *c = (const unsigned char *)src; *c && *n + 5 < cap; c++) {
+        if (*c < 0x20 || *c >= 0x7f || *c == '\\')
+            *n += (size_t)snprintf(dst + *n, cap - *n, "\\x%02x", *c);
+        else
+            dst[(*n)++] = (char)*c;
+    }
+    dst[*n] = 0;
+}
+
+/* comm of a process as seen from here; 0 or -1 when it cannot be read */
+static int read_comm(int pid, char *out, size_t cap)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/comm", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, out, cap - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    out[n] = 0;
+    if (out[n - 1] == '\n')
+        out[n - 1] = 0;
+    return 0;
+}
+
+/* Append one Xid record to <root>/kmsg. Call with the state file locked exclusively
+ * (and g_inject_lock held) so the record order matches the sequence numbers. */
+static int kmsg_xid(struct sim_handle *h, unsigned device, unsigned code, int pid)
+{
+    struct sim_device *d = &h->hdr->devices[device];
+    char pid_text[16] = "'<unknown>'", name[64] = "<unknown>";
+    if (pid > 0) {
+        snprintf(pid_text, sizeof(pid_text), "%d", pid);
+        char comm[64];
+        if (read_comm(pid, comm, sizeof(comm)) == 0) {
+            size_t n = 0;
+            kmsg_escape(name, &n, sizeof(name), comm);
+        }
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t usec = (uint64_t)ts.tv_sec * 1000000ULL + (uint64_t)ts.tv_nsec / 1000ULL;
+    uint64_t seq = h->hdr->kmsg_seq++;
+    char line[512];
+    int len = snprintf(line, sizeof(line), "4,%llu,%llu,-;NVRM: Xid (PCI:%04x:%02x:%02x): %u, pid=%s, name=%s, %s\n",
+                       (unsigned long long)seq, (unsigned long long)usec, 0u, d->pci_bus, 0u, code, pid_text,
+                       name, xid_description(code));
+    if (len <= 0 || (size_t)len >= sizeof(line))
+        return -EOVERFLOW;
+    char path[SIM_PATH_LEN + 8];
+    snprintf(path, sizeof(path), "%s/kmsg", h->hdr->root);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return -errno;
+    ssize_t w = write(fd, line, (size_t)len);
+    int err = w < 0 ? errno : 0;
+    close(fd);
+    if (w < 0)
+        return -err;
+    return w == len ? 0 : -EIO;
+}
+
+static pthread_mutex_t g_inject_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* kinds: 0 xid (data = xid), 1 lost, 2 ecc (data = count; uncorrected when flag), 3 clear,
+ * 4 row remap failure, 5 lost without a kernel-log record (node teardown). Xids (kinds 0
+ * and 1) are delivered as NVML events and logged to <root>/kmsg naming `pid` (<= 0:
+ * unknown). Returns 0, -errno when nothing was injected, or +errno when the fault was
+ * injected but its kernel-log record could not be written. */
 API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, unsigned long long data,
-                           unsigned uncorrected)
+                           unsigned uncorrected, int pid)
 {
     struct sim_handle h;
     int rc = helper_open(path, &h);
@@ -1521,12 +1799,14 @@ API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, uns
     }
     struct sim_device *d = &h.hdr->devices[device];
     uint64_t type = 0;
+    pthread_mutex_lock(&g_inject_lock);
     flock(h.fd, LOCK_EX);
     switch (kind) {
     case 0:
         type = SIM_EVENT_XID;
         break;
     case 1:
+    case 5:
         __atomic_store_n(&d->lost, 1, __ATOMIC_RELEASE);
         type = SIM_EVENT_XID;
         data = 79; /* "GPU has fallen off the bus" */
@@ -1535,6 +1815,9 @@ API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, uns
         if (uncorrected) {
             d->ecc_uncorrected_volatile += data;
             d->ecc_uncorrected_aggregate += data;
+            /* Ampere and later remap the row of an uncorrectable error at the next reset */
+            __atomic_store_n(&d->remapped_rows_unc, d->remapped_rows_unc + (uint32_t)data, __ATOMIC_RELAXED);
+            __atomic_store_n(&d->remap_pending, 1, __ATOMIC_RELAXED);
             type = SIM_EVENT_DOUBLE_BIT_ECC;
         } else {
             d->ecc_corrected_volatile += data;
@@ -1542,12 +1825,18 @@ API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, uns
             type = SIM_EVENT_SINGLE_BIT_ECC;
         }
         break;
-    case 3:
+    case 3: /* a GPU reset: back on the bus, volatile counts and pending remaps settled */
         __atomic_store_n(&d->lost, 0, __ATOMIC_RELEASE);
         d->ecc_corrected_volatile = d->ecc_uncorrected_volatile = 0;
+        __atomic_store_n(&d->remap_pending, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&d->remap_failure, 0, __ATOMIC_RELAXED);
+        break;
+    case 4:
+        __atomic_store_n(&d->remap_failure, 1, __ATOMIC_RELAXED);
         break;
     default:
         flock(h.fd, LOCK_UN);
+        pthread_mutex_unlock(&g_inject_lock);
         helper_close(&h);
         return -EINVAL;
     }
@@ -1561,9 +1850,11 @@ API int gpuwatchsim_inject(const char *path, unsigned device, unsigned kind, uns
         ev->time_us = sim_realtime_ns() / 1000ULL;
         __atomic_store_n(&h.hdr->event_seq, seq, __ATOMIC_RELEASE);
     }
+    int log_rc = type == SIM_EVENT_XID && kind != 5 ? -kmsg_xid(&h, device, (unsigned)data, pid) : 0;
     flock(h.fd, LOCK_UN);
+    pthread_mutex_unlock(&g_inject_lock);
     helper_close(&h);
-    return 0;
+    return log_rc;
 }
 
 struct gpuwatchsim_proc_info {
@@ -1634,7 +1925,9 @@ struct gpuwatchsim_device_info {
     uint32_t minor;
     uint32_t lost;
     uint32_t utilization_percent; /* over the last second, as nvmlDeviceGetUtilizationRates */
-    uint32_t pad;
+    uint32_t remap_failure;
+    uint32_t remapped_rows_unc;
+    uint32_t remap_pending;
 };
 
 /* Static facts, utilisation and fault state of one device. Returns 0 or -errno. */
@@ -1658,6 +1951,9 @@ API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim
     out->ecc_uncorrected_volatile = d->ecc_uncorrected_volatile;
     out->minor = d->minor;
     out->lost = d->lost;
+    out->remap_failure = d->remap_failure;
+    out->remapped_rows_unc = d->remapped_rows_unc;
+    out->remap_pending = d->remap_pending;
     uint64_t now = sim_realtime_ns();
     flock(h.fd, LOCK_SH);
     out->utilization_percent = util_pct_of(&h, (int)device, now - UTIL_WINDOW_NS, now);
@@ -1666,8 +1962,9 @@ API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim
     return 0;
 }
 
-/* Device count and sim root recorded in a state file. Returns the count or -errno. */
-API int gpuwatchsim_node(const char *path, char *root, unsigned root_len)
+/* Device count, sim root and topology (SIM_TOPO_*) recorded in a state file. Returns
+ * the count or -errno. */
+API int gpuwatchsim_node(const char *path, char *root, unsigned root_len, unsigned *topology)
 {
     struct sim_handle h;
     int rc = helper_open(path, &h);
@@ -1676,6 +1973,8 @@ API int gpuwatchsim_node(const char *path, char *root, unsigned root_len)
     int n = (int)h.hdr->device_count;
     if (root && root_len)
         snprintf(root, root_len, "%s", h.hdr->root);
+    if (topology)
+        *topology = h.hdr->topology;
     helper_close(&h);
     return n;
 }

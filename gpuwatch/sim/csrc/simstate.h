@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x314d495357505447ULL /* "GTPWSIM1" little-endian */
-#define SIM_LAYOUT_VERSION 1u
+#define SIM_LAYOUT_VERSION 2u /* 2: topology, row remapping, kmsg sequence */
 
 #define SIM_MAX_DEVICES 8
 #define SIM_MAX_PROCS 1024
@@ -50,6 +50,14 @@
 #define SIM_EVENT_DOUBLE_BIT_ECC 0x2ULL
 #define SIM_EVENT_XID 0x8ULL
 #define SIM_EVENT_GPU_UNAVAILABLE 0x4000ULL
+
+/* GPU interconnect of the simulated node (header.topology); see nvml.c "topology" */
+#define SIM_TOPO_PCIE 0u         /* PCIe only: NVLink calls answer NOT_SUPPORTED */
+#define SIM_TOPO_NVLINK_PAIRS 1u /* GPUs 2k and 2k+1 joined by SIM_PAIR_LINKS NVLinks */
+#define SIM_TOPO_NVSWITCH 2u     /* every GPU: all links active, each to an NVSwitch */
+#define SIM_NVLINK_MAX_LINKS 18  /* NVML_NVLINK_MAX_LINKS of the simulated driver (550) */
+#define SIM_PAIR_LINKS 4
+#define SIM_NVSWITCHES 4
 
 /* RM_ALLOC parameter layout the stub issues (configurable per node) */
 #define SIM_RMALLOC_NVOS64 0u
@@ -70,6 +78,10 @@ struct sim_device {
     uint64_t ecc_corrected_volatile, ecc_uncorrected_volatile;
     uint64_t ecc_corrected_aggregate, ecc_uncorrected_aggregate;
     uint64_t energy_mj_base;      /* energy counter origin */
+    /* row remapping (nvmlDeviceGetRemappedRows) */
+    uint32_t remapped_rows_corr, remapped_rows_unc;
+    uint32_t remap_pending;       /* a remap waits for the next GPU reset (`clear`) */
+    uint32_t remap_failure;       /* 1 after `sim fault row-remap-failure` */
 };
 
 /* one busy bucket: high 32 bits = bucket epoch (low 32 bits of realtime_ns /
@@ -113,6 +125,9 @@ struct sim_header {
     uint32_t proc_high_water;     /* slots [0, high_water) may be in use */
     uint32_t rm_device_handles;   /* 1: contexts RM_ALLOC a client, device and subdevice */
     uint64_t event_seq;           /* last event seq written */
+    uint32_t topology;            /* SIM_TOPO_* */
+    uint32_t pad0;
+    uint64_t kmsg_seq;            /* next sequence number of a <root>/kmsg record */
     struct sim_event events[SIM_MAX_EVENTS];
     struct sim_device devices[SIM_MAX_DEVICES];
     struct sim_proc procs[SIM_MAX_PROCS];
