@@ -15,6 +15,12 @@ How it reads (modelled on nvitop's NVML handling):
   sampler marks the GPU backend down and recreates the backend later.
 * `NVML_ERROR_NOT_FOUND` from the process-utilisation call means "no new samples since
   the last-seen timestamp"; the previous value is then held for `util_hold_s`.
+* Health inputs: per sweep, the Xid codes drained from the event set, GPU_IS_LOST, the
+  volatile uncorrectable ECC count and the row-remapping failure flag (two calls per
+  GPU); the CUDA compute capability is static.
+* Topology (`GpuSweep.topology`) is read once per backend: PCIe common ancestor of every
+  pair of physical GPUs, and their NVLinks (direct, or through NVSwitches). A failure
+  there costs the topology detail, never the backend.
 
 The simulated node: pass `library_path` (or set GPUWATCH_NVML_LIBRARY) to the fake
 `libnvidia-ml.so.1`; it is loaded with RTLD_GLOBAL before `nvmlInit`, so pynvml's
@@ -36,7 +42,15 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
-from gpuwatch.model import DeviceInfo, GpuProcess, GpuSweep, ProcessKind
+from gpuwatch.model import (
+    DeviceInfo,
+    GpuLink,
+    GpuProcess,
+    GpuSweep,
+    GpuTopology,
+    ProcessKind,
+    TopologyLevel,
+)
 
 ENV_LIBRARY = "GPUWATCH_NVML_LIBRARY"
 SIM_NAME_PREFIX = "gpuwatch-sim"
@@ -57,6 +71,10 @@ _FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 _NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
 _GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
 _TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+_INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+_NVLINK_LINKS = 18  # NVML_NVLINK_MAX_LINKS of the drivers this targets (535-570; pynvml may say more)
+_NVLINK_GPU = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+_NVLINK_SWITCH = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
 _VALUE_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
 
 # Xid codes after which the GPU needs a reset (NVIDIA's Xid catalogue): double-bit ECC,
@@ -116,6 +134,8 @@ class _Device:
     buffers: dict[str, tuple[int, Any]] = field(default_factory=dict)  # NVML function -> (capacity, array)
     process_objects: dict[tuple[Any, ...], GpuProcess] = field(default_factory=dict)
     xid_errors_total: int = 0
+    xid_events: list[int] = field(default_factory=list)  # Xid codes drained in the current sweep
+    compute_capability: tuple[int, int] | None = None
     fatal_xid: bool = False
     lost: bool = False  # GPU_IS_LOST seen in the current sweep
     lost_reported: bool = False  # the loss was already counted as an error
@@ -150,6 +170,7 @@ class NvmlBackend:
         except BaseException:
             self.close()
             raise
+        self.topology = self._read_topology()
         self.simulated = any(d.name.startswith(SIM_NAME_PREFIX) for d in self._devices)
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -278,6 +299,8 @@ class NvmlBackend:
             dev.minor_number = self._field(dev, "minor_number", pynvml.nvmlDeviceGetMinorNumber, handle)
             limit_mw = self._field(dev, "power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
             dev.power_limit_watts = limit_mw / 1000.0 if limit_mw is not None else None
+            cc = self._field(dev, "compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            dev.compute_capability = (int(cc[0]), int(cc[1])) if cc is not None else None
         return dev
 
     def _enumerate_mig(self, parent: _Device) -> list[_Device]:
@@ -293,6 +316,7 @@ class NvmlBackend:
             mig = self._static_device(handle, parent.index, mig_index=slot, parent_uuid=parent.uuid)
             mig.pci_bus_id = parent.pci_bus_id
             mig.minor_number = parent.minor_number
+            mig.compute_capability = parent.compute_capability
             found.append(mig)
         return found
 
@@ -319,6 +343,100 @@ class NvmlBackend:
                 self.errors_total += 1
             return None
         return event_set
+
+    # ---- topology (static, once) -------------------------------------------------------
+
+    def _read_topology(self) -> GpuTopology:
+        """PCIe common ancestors and NVLinks of every ordered pair of physical GPUs.
+
+        Never raises: an NVML error costs the detail it was asking for (level None, no
+        links), counted in `errors_total`."""
+        physical = [d for d in self._devices if not d.is_mig]
+        try:
+            levels = self._topology_levels(physical)
+            supported, direct, switch_links = self._nvlinks(physical)
+        except pynvml.NVMLError as err:  # a fatal code mid-way: keep the backend, drop the detail
+            self._note(f"topology: {err}")
+            return GpuTopology()
+        nvswitch = any(switch_links.values())
+        links = []
+        for a in physical:
+            for b in physical:
+                if a is b:
+                    continue
+                count = direct.get((a.index, b.index), 0)
+                if nvswitch:
+                    count += min(switch_links.get(a.index, 0), switch_links.get(b.index, 0))
+                links.append(GpuLink(gpu_index=a.index, peer_index=b.index,
+                                     level=levels.get((a.index, b.index)), nvlinks=count))
+        return GpuTopology(links=tuple(links), nvswitch=nvswitch, nvlink_supported=supported)
+
+    def _topology_levels(self, physical: list[_Device]) -> dict[tuple[int, int], TopologyLevel | None]:
+        levels: dict[tuple[int, int], TopologyLevel | None] = {}
+        for n, a in enumerate(physical):
+            for b in physical[n + 1:]:
+                level: TopologyLevel | None = None
+                if a.handle is not None and b.handle is not None:
+                    try:
+                        level = TopologyLevel(pynvml.nvmlDeviceGetTopologyCommonAncestor(a.handle, b.handle))
+                    except pynvml.NVMLError as err:
+                        self._note(f"GPU {a.index}-{b.index} topology: {err}")
+                    except ValueError:  # a level this NVML knows and we do not: say nothing
+                        level = None
+                levels[(a.index, b.index)] = levels[(b.index, a.index)] = level
+        return levels
+
+    def _nvlinks(self, physical: list[_Device]
+                 ) -> tuple[bool, dict[tuple[int, int], int], dict[int, int]]:
+        """(NVLink supported anywhere, active links GPU->peer GPU, active links GPU->NVSwitch)."""
+        by_bus = {key: d.index for d in physical if (key := _bus_key(d.pci_bus_id)) is not None}
+        direct: dict[tuple[int, int], int] = {}
+        switch_links: dict[int, int] = {}
+        supported = False
+        ask_type = True  # nvmlDeviceGetNvLinkRemoteDeviceType exists and answers
+        for dev in physical:
+            if dev.handle is None:
+                continue
+            for link in range(_NVLINK_LINKS):
+                try:
+                    active = pynvml.nvmlDeviceGetNvLinkState(dev.handle, link)
+                except pynvml.NVMLError as err:
+                    if link == 0 and err.value in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                        break  # no NVLink on this GPU (PCIe card, VM): ask no more
+                    if err.value in (_NOT_SUPPORTED, _INVALID_ARGUMENT):
+                        break  # past the links this GPU has
+                    self._note(f"GPU {dev.index} NVLink {link} state: {err}")
+                    if err.value == _GPU_IS_LOST:
+                        break
+                    continue
+                supported = True
+                if active != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = _NVLINK_GPU
+                if ask_type:
+                    try:
+                        remote = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(dev.handle, link)
+                    except pynvml.NVMLError as err:
+                        if err.value in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                            ask_type = False  # older NVML: every remote end is a GPU
+                        else:
+                            self._note(f"GPU {dev.index} NVLink {link} remote type: {err}")
+                            continue
+                if remote == _NVLINK_SWITCH:
+                    switch_links[dev.index] = switch_links.get(dev.index, 0) + 1
+                    continue
+                if remote != _NVLINK_GPU:
+                    continue  # an IBM NPU: a CPU, not a peer
+                try:
+                    pci = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(dev.handle, link)
+                except pynvml.NVMLError as err:
+                    self._note(f"GPU {dev.index} NVLink {link} remote PCI: {err}")
+                    continue
+                key = _bus_key(_text(pci.busId)) or (int(pci.domain), int(pci.bus), int(pci.device))
+                peer = by_bus.get(key)
+                if peer is not None and peer != dev.index:
+                    direct[(dev.index, peer)] = direct.get((dev.index, peer), 0) + 1
+        return supported, direct, switch_links
 
     # ---- the sweep --------------------------------------------------------------------
 
@@ -362,9 +480,11 @@ class NvmlBackend:
         return GpuSweep(timestamp_s=now_s, devices=tuple(infos), processes=tuple(processes),
                         driver_version=_text(self.driver_version) if self.driver_version else None,
                         cuda_driver_version=self.cuda_driver_version,
-                        errors=tuple(self._sweep_errors))
+                        errors=tuple(self._sweep_errors), topology=self.topology)
 
     def _drain_xid_events(self) -> None:
+        for each in self._devices:
+            each.xid_events = []
         if self._event_set is None:
             return
         by_handle = {_address(d.handle): d for d in self._devices if d.handle is not None and not d.is_mig}
@@ -380,6 +500,7 @@ class NvmlBackend:
             if dev is None:
                 continue
             dev.xid_errors_total += 1
+            dev.xid_events.append(int(data.eventData))
             if int(data.eventData) in _FATAL_XIDS:
                 dev.fatal_xid = True
 
@@ -404,7 +525,9 @@ class NvmlBackend:
     def _read_device(self, dev: _Device) -> DeviceInfo:
         total, used, free = self._read_memory(dev)
         util_gpu = util_mem = temperature = power = None
-        if not dev.is_mig:  # utilisation, temperature and power are per physical GPU
+        ecc: int | None = None
+        remap_failure: bool | None = None
+        if not dev.is_mig:  # utilisation, temperature, power and health are per physical GPU
             rates = self._field(dev, "utilization", pynvml.nvmlDeviceGetUtilizationRates, dev.handle)
             if rates is not None:
                 util_gpu, util_mem = rates.gpu / 100.0, rates.memory / 100.0
@@ -413,6 +536,11 @@ class NvmlBackend:
             temperature = float(temp) if temp is not None else None
             power_mw = self._field(dev, "power", pynvml.nvmlDeviceGetPowerUsage, dev.handle)
             power = power_mw / 1000.0 if power_mw is not None else None
+            count = self._field(dev, "ecc_uncorrected_volatile", pynvml.nvmlDeviceGetTotalEccErrors, dev.handle,
+                                pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+            ecc = int(count) if count is not None else None
+            rows = self._field(dev, "remapped_rows", pynvml.nvmlDeviceGetRemappedRows, dev.handle)
+            remap_failure = bool(rows[3]) if rows is not None else None  # (corr, unc, pending, failure)
         return DeviceInfo(
             index=dev.index, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id,
             memory_total_bytes=total, memory_used_bytes=used, memory_free_bytes=free,
@@ -422,6 +550,8 @@ class NvmlBackend:
             is_mig=dev.is_mig, parent_uuid=dev.parent_uuid, mig_index=dev.mig_index,
             healthy=not (dev.lost or dev.fatal_xid), xid_errors_total=dev.xid_errors_total,
             simulated=dev.name.startswith(SIM_NAME_PREFIX),
+            lost=dev.lost, xid_events=tuple(dev.xid_events), ecc_uncorrected_volatile=ecc,
+            row_remap_failure=remap_failure, compute_capability=dev.compute_capability,
         )
 
     def _process_list(self, dev: _Device, kind: str) -> list[tuple[int, ...]]:
@@ -565,6 +695,20 @@ def _list_call(dev: _Device, function: str, struct_type: type[ctypes.Structure],
         capacity = count.value * 2 + 32
         buffer = None
     raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+
+
+def _bus_key(bus_id: str | None) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of a PCI bus id: "00000000:1B:00.0" and "0000:1b:00.0" match."""
+    if not bus_id:
+        return None
+    parts = bus_id.strip().split(":")
+    try:
+        device = int(parts[-1].split(".")[0], 16)
+        bus = int(parts[-2], 16)
+        domain = int(parts[-3], 16) if len(parts) >= 3 else 0
+    except (IndexError, ValueError):
+        return None
+    return domain, bus, device
 
 
 def _address(handle: Any) -> int | None:
