@@ -31,12 +31,21 @@ from typing import Any, TypeVar
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import (
     ContainerIdentity,
+    ContainerNetwork,
     ContainerUsage,
+    ContainerXid,
     DeviceInfo,
+    GpuHealth,
+    GpuLink,
+    GpuTopology,
     GroupUsage,
+    NicStats,
+    NodeSignals,
     ProbeCounters,
     ProcessUsage,
+    RdmaPort,
     Snapshot,
+    TopologyLevel,
 )
 
 FORMAT = "gpuwatch.snapshot/1"
@@ -272,6 +281,46 @@ def _probe_identities_from(value: Any, where: str) -> tuple[tuple[int, Container
     return tuple(pairs)
 
 
+def _topology_from(data: Any, where: str) -> GpuTopology:
+    data = _expect_dict(data, where)
+    links = []
+    for i, link in enumerate(_expect_list(data.get("links"), f"{where}.links")):
+        link = _expect_dict(link, f"{where}.links[{i}]")
+        level = link.get("level")
+        try:
+            level = TopologyLevel(int(level)) if level is not None else None
+        except (TypeError, ValueError) as err:
+            raise SnapshotDocError(f"snapshot document: {where}.links[{i}].level: {err}") from err
+        links.append(_flat_from(GpuLink, link, f"{where}.links[{i}]", level=level))
+    return _flat_from(GpuTopology, data, where, links=tuple(links))
+
+
+def _signals_from(data: Any, where: str) -> NodeSignals:
+    """NodeSignals from its document form (nested dataclasses, identities as objects)."""
+    data = _expect_dict(data, where)
+
+    def each(name: str) -> list[tuple[str, Any]]:
+        return [(f"{where}.{name}[{i}]", v) for i, v in enumerate(_expect_list(data.get(name), f"{where}.{name}"))]
+
+    def with_identity(cls: type[T], name: str) -> tuple[T, ...]:
+        return tuple(_flat_from(cls, v, at, identity=_identity_from(_expect_dict(v, at).get("identity"),
+                                                                   f"{at}.identity"))
+                     for at, v in each(name))
+
+    topology = data.get("topology")
+    return _flat_from(
+        NodeSignals, data, where,
+        health=tuple(_flat_from(GpuHealth, v, at) for at, v in each("health")),
+        topology=_topology_from(topology, f"{where}.topology") if topology is not None else None,
+        nics=tuple(_flat_from(NicStats, v, at) for at, v in each("nics")),
+        rdma_ports=tuple(_flat_from(RdmaPort, v, at) for at, v in each("rdma_ports")),
+        container_xids=with_identity(ContainerXid, "container_xids"),
+        container_network=with_identity(ContainerNetwork, "container_network"),
+        errors_total=tuple((str(k), int(v)) for k, v in (_expect_list(data.get("errors_total"),
+                                                                        f"{where}.errors_total"))),
+    )
+
+
 def snapshot_from_dict(data: Any) -> Snapshot:
     """Inverse of `snapshot_to_dict`; raises SnapshotDocError naming the bad field."""
     data = _expect_dict(data, "document")
@@ -296,6 +345,8 @@ def snapshot_from_dict(data: Any) -> Snapshot:
         "notes": tuple(str(n) for n in items("notes")),
     }
     names = {f.name for f in dataclasses.fields(Snapshot)}
+    if data.get("signals") is not None:
+        special["signals"] = _signals_from(data["signals"], "signals")
     if "probe_identities" in names:
         special["probe_identities"] = _probe_identities_from(data.get("probe_identities"), "probe_identities")
     return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})

@@ -56,6 +56,7 @@ def container_spec(w: DemoWorkload, sim: simnode.SimNode, lifetime_s: float = 0.
         env=simnode.sim_env(sim),
         extra_binds=[str(sim.state_path.parent), str(sim.root)],
         ro_binds=[str(sim.libraries.lib_dir)],
+        new_network=runtime == "k8s",  # a pod has its own network namespace
     )
 
 

@@ -65,6 +65,7 @@ class ContainerSpec:
     "cgroup" runtime (default /gpuwatch-test/<name>). `ro_binds` are host paths mounted
     read-only at the same path (e.g. the sim's C build cache). `device_rules` are OCI device
     cgroup rules added to config.json (runc runtimes only; see bundle.build_config).
+    `new_network` gives the container its own network namespace (runc runtimes only).
     """
 
     name: str
@@ -79,6 +80,7 @@ class ContainerSpec:
     cgroup_path: str | None = None
     ro_binds: list[str] = field(default_factory=list)
     device_rules: list[dict[str, Any]] = field(default_factory=list)
+    new_network: bool = False  # its own network namespace (only lo, as a pod before its CNI runs)
 
 
 def find_runc(search_path: str | None = None) -> str:
@@ -405,6 +407,7 @@ class ContainerLab:
                 rw_binds=list(spec.extra_binds),
                 annotations=annotations,
                 device_rules=list(spec.device_rules),
+                new_network=spec.new_network,
             )
             _write_json(bundle_dir / "config.json", config)
             self.runc_root.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,8 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
             running_agent(agent_argv(sim, tmp_path / "node", port, tmp_path, f"--policy={policy}"),
                           {**os.environ, "GPUWATCH_SIM_STATE": str(sim.state_path)}, tmp_path / "agent.log", port), \
             pods(tmp_path / "node", sim), \
-            run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], binary=prometheus, interval_s=0.5) as prom:
+            run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], binary=prometheus, interval_s=0.5,
+                           rule_files=[DASHBOARDS / "gpuwatch-rules.yml"]) as prom:
         assert prom.wait_for('gpuwatch_container_memory_bytes{namespace="ml-team"}', timeout_s=20)
         time.sleep(3)  # enough samples for rate() windows
         empty = []

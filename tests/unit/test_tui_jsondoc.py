@@ -174,3 +174,38 @@ def test_document_time_is_wall_clock_even_for_monotonic_snapshots() -> None:
     assert loads(dumps(snap, wall_s=T0), wall_clock=True).timestamp_s == T0  # for showing a saved file
     assert parse_iso_time(iso_time(T0 + 0.25)) == T0 + 0.25
     assert parse_iso_time("yesterday") is None and parse_iso_time(None) is None
+
+
+def test_round_trip_with_node_signals_and_health_inputs() -> None:
+    from gpuwatch.model import (
+        ContainerNetwork,
+        ContainerXid,
+        GpuHealth,
+        GpuLink,
+        GpuTopology,
+        NicStats,
+        NodeSignals,
+        RdmaPort,
+        TopologyLevel,
+    )
+
+    signals = NodeSignals(
+        health=(GpuHealth(0, "GPU-0", False, "xid", "XID 79 (fallen off the bus)", 3, 79),
+                GpuHealth(1, "GPU-1", True, "ok")),
+        topology=GpuTopology(links=(GpuLink(0, 1, TopologyLevel.SINGLE, 4), GpuLink(1, 0, None, 0)),
+                             nvswitch=False, nvlink_supported=True),
+        nics=(NicStats("eth0", "up", 1.25e9, 10, 20, rdma=True), NicStats("eth1", "down", None, 0, 0)),
+        rdma_ports=(RdmaPort("mlx5_0", 1, "ACTIVE", 2.5e10, 400, None, "InfiniBand"),),
+        container_xids=(ContainerXid(TRAINER, 0, 79, 2),),
+        container_network=(ContainerNetwork(TRAINER, 5, 6),),
+        errors_total=(("kmsg", 1), ("network_nics", 0)),
+        kmsg_malformed_total=4,
+    )
+    snap = dataclasses.replace(
+        sample_snapshot(), signals=signals, driver_version="550.54.15", cuda_driver_version=12040,
+        devices=(device(0, lost=True, xid_events=(79, 48), ecc_uncorrected_volatile=2, row_remap_failure=True,
+                        compute_capability=(9, 0)),))
+    again = loads(dumps(snap))
+    assert again == snap
+    assert again.signals is not None and again.signals.topology is not None
+    assert again.signals.topology.links[0].level is TopologyLevel.SINGLE
