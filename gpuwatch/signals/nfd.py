@@ -438,8 +438,9 @@ class FeatureFileWriter:
             self.expires_at = None
             removed = False
             try:
-                os.unlink(self.path)
-                removed = True
+                if os.path.lexists(self.path):  # (a read-only fs answers EROFS even for a missing file)
+                    os.unlink(self.path)
+                    removed = True
             except FileNotFoundError:
                 pass
             except OSError as err:
@@ -495,9 +496,13 @@ class FeatureFileWriter:
         self.last_error = message
         if message != self._logged_error:
             self._logged_error = message
-            log.warning("%s: the gpuwatch.io/* node labels (and the gpu-unhealthy taint rule that reads "
-                        "them) are not updated until it works; NFD drops them when the last written file "
-                        "expires. Retrying every interval; logged once.", message)
+            if what == "write":
+                log.warning("%s: the gpuwatch.io/* node labels (and the gpu-unhealthy taint rule that reads "
+                            "them) are not updated until it works; NFD drops them when the last written file "
+                            "expires. Retrying every interval; logged once.", message)
+            else:
+                log.warning("%s: its gpuwatch.io/* labels stay on the node until NFD sees the file's "
+                            "expiry-time pass", message)
 
     def _clean_staging(self, keep_dir: bool) -> None:
         """Remove temp files a crashed agent left behind (only names this writer makes)."""
