@@ -1,11 +1,14 @@
 """Simulated GPU node: fake libnvidia-ml + stub libcuda (C) + workload driver.
 
 Public entry points: `build_sim_libraries`, `up`, `down`, `get_node`, `status`,
-`inject_fault`, `sim_env`, `preload_fake_nvml` (see node.py and build.py).
+`inject_fault`, `sim_env`, `preload_fake_nvml` (see node.py and build.py); `TOPOLOGIES`
+and `FAULT_KINDS` name what `up(topology=...)` and `inject_fault(kind=...)` accept.
 """
 
 from gpuwatch.sim.build import SimLibraries, build_sim_libraries
 from gpuwatch.sim.node import (
+    FAULT_KINDS,
+    TOPOLOGIES,
     SimDevice,
     SimNode,
     SimProcess,
@@ -20,6 +23,8 @@ from gpuwatch.sim.node import (
 )
 
 __all__ = [
+    "FAULT_KINDS",
+    "TOPOLOGIES",
     "SimDevice",
     "SimLibraries",
     "SimNode",
