@@ -40,6 +40,11 @@ class AgentConfig:
     webhook: tuple[str, int] | None = None
     webhook_token_file: str | None = None
     webhook_allow_remote: bool = False
+    kmsg_path: str | None = "/dev/kmsg"  # kernel log with the driver's Xid lines; None: off
+    nfd_features_file: str | None = None  # NFD local-source feature file; None: off
+    ignored_xids: frozenset[int] | None = None  # None: signals.health.DEFAULT_IGNORED_XIDS
+    nvml_error_sweeps: int = 3
+    network: bool = True  # node NICs, RDMA ports, containers' network bytes
 
 
 def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
@@ -62,6 +67,58 @@ def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
     stack.callback(manager.stop)
     log.info("kernel probes attached (device prefix %s)", config.device_prefix)
     return manager
+
+
+def _build_signals(config: AgentConfig) -> Any:
+    """The per-cycle node signals: health, kernel-log Xids, topology, network."""
+    from gpuwatch.signals.collector import SignalCollector
+    from gpuwatch.signals.health import DEFAULT_IGNORED_XIDS, HealthTracker
+    from gpuwatch.signals.kmsg import KmsgReader
+
+    health = HealthTracker(ignored_xids=config.ignored_xids if config.ignored_xids is not None
+                           else DEFAULT_IGNORED_XIDS, nvml_error_sweeps=config.nvml_error_sweeps)
+    kmsg = KmsgReader(config.kmsg_path) if config.kmsg_path else None
+    if kmsg is None:
+        log.info("--kmsg none: Xids are not attributed to containers (GPU-level Xids from NVML continue)")
+    network = None
+    if config.network:
+        from gpuwatch.signals.network import NetworkReader
+
+        network = NetworkReader(proc_root=config.proc_root)
+    return SignalCollector(health=health, kmsg=kmsg, network=network)
+
+
+class _NfdFeatures:
+    """Keeps the NFD feature file in step with the snapshots (labels from the last good sweep
+    while NVML is down, with the health verdicts of the current cycle)."""
+
+    def __init__(self, path: str, interval_s: float) -> None:
+        from gpuwatch.signals.nfd import FeatureFileWriter
+
+        self.writer = FeatureFileWriter(path, interval_s)
+        self._last_good: Any = None
+
+    def update(self, snapshot: Any) -> None:
+        import dataclasses
+
+        from gpuwatch.signals.nfd import node_labels
+
+        if snapshot.gpu_up and snapshot.devices:
+            self._last_good = snapshot
+        elif self._last_good is not None:
+            snapshot = dataclasses.replace(self._last_good, signals=snapshot.signals)
+        else:
+            return  # nothing known about the GPUs yet: write no labels rather than wrong ones
+        self.writer.update(node_labels(snapshot))
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        writes = CounterMetricFamily("gpuwatch_nfd_feature_file_writes",
+                                     "Times the NFD feature file was (re)written.", value=self.writer.writes_total)
+        errors = CounterMetricFamily("gpuwatch_nfd_feature_file_errors",
+                                     "Failed writes of the NFD feature file.", value=self.writer.errors_total)
+        return [writes, errors]
 
 
 def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: Any) -> Any | None:
@@ -124,10 +181,14 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
         probes = _start_probes(config, stack)
         sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
                                 node=node, proc_root=config.proc_root, probe_source=probes,
-                                bundle_roots=config.bundle_roots)
+                                bundle_roots=config.bundle_roots, signal_source=_build_signals(config))
         sampler.start()
         stack.callback(sampler.stop)
         registry = registry_for(sampler.latest)
+        nfd = _NfdFeatures(config.nfd_features_file, config.interval_s) if config.nfd_features_file else None
+        if nfd is not None:
+            registry.register(nfd)
+            log.info("NFD feature file: %s (labels gpuwatch.io/*)", config.nfd_features_file)
         enforcer = _start_enforcer(config, stack, registry, probes)
         server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest)
         stack.callback(server.stop)
@@ -143,8 +204,12 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
                 if enforcer is not None:
                     enforcer.reload()
             snapshot = sampler.latest()
-            if enforcer is not None and snapshot.timestamp_s != last_seen:
-                last_seen = snapshot.timestamp_s
+            if snapshot.timestamp_s == last_seen:
+                continue
+            last_seen = snapshot.timestamp_s
+            if nfd is not None:
+                nfd.update(snapshot)
+            if enforcer is not None:
                 events = probes.poll_events(0) if probes is not None else ()
                 try:
                     enforcer.on_snapshot(snapshot, events)

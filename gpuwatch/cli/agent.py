@@ -20,6 +20,14 @@ from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 log = logging.getLogger("gpuwatch.agent")
 
 
+def _xid_list(text: str) -> frozenset[int]:
+    try:
+        return frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of Xid numbers (e.g. 13,31,43)",
+                                 param_hint="--health-ignore-xids") from err
+
+
 @click.command("agent")
 @click.option("--listen", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="Where /metrics is served. The DaemonSet uses 0.0.0.0:9400 (read-only endpoint).")
@@ -50,12 +58,27 @@ log = logging.getLogger("gpuwatch.agent")
               help="Allow a non-loopback --webhook-listen address (token still required).")
 @click.option("--state-file", default="/run/gpuwatch/frozen.json", show_default=True,
               help="What the enforcer froze (so a restarted agent thaws it after a crash).")
+@click.option("--kmsg", "kmsg_path", default="/dev/kmsg", show_default=True, metavar="PATH|none",
+              help="Kernel log to read the driver's Xid lines from (per-pod Xid counts). The simulated "
+                   "node writes its own: <sim root>/kmsg. 'none' turns it off.")
+@click.option("--nfd-features-file", default=None, metavar="PATH",
+              help="Write Node Feature Discovery labels (gpuwatch.io/*) to this local-source feature file, "
+                   "e.g. /etc/kubernetes/node-feature-discovery/features.d/gpuwatch. Off when not given.")
+@click.option("--health-ignore-xids", default=None, metavar="LIST",
+              help="Comma-separated Xids that keep a GPU healthy (application errors). Default: "
+                   "13,31,43,45,63,68,92,109.")
+@click.option("--health-nvml-error-sweeps", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Sweeps in a row NVML may fail to read a GPU before it is reported unhealthy.")
+@click.option("--network/--no-network", default=True, show_default=True,
+              help="Read the node's NICs, RDMA ports and the network bytes of containers that use a GPU.")
 @runtime_root_options
 @click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
 def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
           proc_root: str, probes: bool | None, device_prefix: str, launch_uprobes: bool,
           policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
           webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str,
+          kmsg_path: str, nfd_features_file: str | None, health_ignore_xids: str | None,
+          health_nvml_error_sweeps: int, network: bool,
           containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...],
           verbose: int) -> None:
     """Run the node agent until SIGTERM/SIGINT.
@@ -63,6 +86,8 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
     Samples NVML (and the kernel probes) every --interval, attributes GPU memory and kernel
     time to containers/pods/namespaces, serves Prometheus metrics on --listen, and with
     --policy enforces limits (alert, throttle, pause, checkpoint-then-kill, kill).
+    For schedulers it exports GPU health (with the reason), per-pod Xids, GPU topology,
+    network and node rollups, and with --nfd-features-file keeps NFD labels up to date.
     """
     from gpuwatch.agent import AgentConfig, run_agent
 
@@ -77,6 +102,10 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
         dry_run=dry_run, audit_log=audit_log, webhook=webhook,
         webhook_token_file=webhook_token_file, webhook_allow_remote=webhook_allow_remote,
         frozen_state_path=state_file,
+        kmsg_path=None if kmsg_path.strip().lower() in ("", "none", "off") else kmsg_path,
+        nfd_features_file=nfd_features_file,
+        ignored_xids=_xid_list(health_ignore_xids) if health_ignore_xids is not None else None,
+        nvml_error_sweeps=health_nvml_error_sweeps, network=network,
         bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
     )
     stop = threading.Event()
