@@ -337,7 +337,7 @@ def format_expiry(expiry: datetime | float) -> str:
 
 _HEADER = (
     "# Written by gpuwatch (the GPU node agent) for Node Feature Discovery's local source.\n"
-    "# Do not edit: the agent replaces this file atomically and deletes it when it stops.\n"
+    "# Do not edit: the agent replaces this file atomically; its lines expire when the agent stops.\n"
 )
 
 
@@ -378,8 +378,9 @@ class FeatureFileWriter:
     module docstring for why not beside the target), written, fsynced, renamed over the
     target, then the directory fsynced; mode 0644. A missing directory is created when its
     parent exists. Failures are counted (`errors_total`), kept (`last_error`) and logged once
-    per distinct error, with one line when writing works again. Call `remove()` after the
-    last `update()` on a clean shutdown so the labels go away at once.
+    per distinct error, with one line when writing works again. The agent does not call
+    `remove()` when it stops: a restart or rolling update must not flap the node's labels
+    and taint; the expiry directive retires the labels of an agent that is gone.
     """
 
     def __init__(self, path: str | os.PathLike[str], interval_s: float, expiry_intervals: int = 5,

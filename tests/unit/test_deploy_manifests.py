@@ -190,3 +190,19 @@ def test_nodefeaturerule_check_is_not_vacuous(breakage: str) -> None:
         del rule["matchFeatures"]
     with pytest.raises((AssertionError, ValueError, KeyError)):
         _check_node_feature_rule(doc)
+
+
+def test_daemonset_writes_nfd_features_where_nfd_reads_them_and_tolerates_its_taint() -> None:
+    docs = {d["kind"]: d for _, d in _documents()}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    (arg,) = [a for a in container["args"] if a.startswith("--nfd-features-file=")]
+    path = Path(arg.split("=", 1)[1])
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert str(path.parent) in mounts
+    assert volumes[mounts[str(path.parent)]]["hostPath"]["path"] == "/etc/kubernetes/node-feature-discovery/features.d"
+    rule = docs["NodeFeatureRule"]["spec"]["rules"][0]
+    taint_keys = {t["key"] for t in rule["taints"]}
+    tolerated = {t["key"] for t in pod["tolerations"] if t.get("operator") == "Exists"}
+    assert taint_keys <= tolerated
