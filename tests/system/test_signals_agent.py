@@ -160,3 +160,34 @@ def test_xid_for_one_pod_reaches_counter_health_nfd_and_alert(tmp_path: Path) ->
             assert unhealthy["metric"]["instance"] == "sim-node"
             # Xid 48 does not heal by itself; a driver reload (the node re-created) would
             assert check_feature_file(features)["gpuwatch.io/gpu.unhealthy-count"] == "1"
+
+
+HOSTILE_MODELS = [
+    "Ünïcödé GPU / with slashes \\ and \"quotes\" " + "x" * 300,
+    "--- .. __",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", HOSTILE_MODELS, ids=["long-unicode-slashes", "only-punctuation"])
+def test_hostile_model_names_still_give_a_file_nfd_accepts(tmp_path: Path, model: str) -> None:
+    """The agent's labels from a GPU whose model name no label value could hold, into a
+    features.d directory that does not exist yet."""
+    need_root()
+    port = free_port()
+    features = tmp_path / "features.d" / "gpuwatch"
+    with private_node(tmp_path / "node", devices=1, model=model) as sim:
+        argv = agent_argv(sim, tmp_path / "node", port, tmp_path, f"--kmsg={sim.kmsg_path}",
+                          f"--nfd-features-file={features}", "--no-probes", "--no-network")
+        env = {**os.environ, "GPUWATCH_SIM_STATE": str(sim.state_path)}
+        with running_agent(argv, env, tmp_path / "agent.log", port):
+            deadline = time.monotonic() + 15
+            while not features.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            labels = check_feature_file(features)
+    assert labels["gpuwatch.io/gpu.count"] == "1"
+    product = labels.get("gpuwatch.io/gpu.product")
+    if any(ch.isalnum() and ch.isascii() for ch in model):
+        assert product and len(product) <= 63 and product.startswith("gpuwatch-sim")
+    assert "gpuwatch.io/gpu.topology" not in labels  # one GPU: no pair to rank
+    assert labels["gpuwatch.io/gpu.nvlink-island"] == "1"
