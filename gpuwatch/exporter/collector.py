@@ -113,7 +113,8 @@ class SnapshotCollector(Collector):
         power_limit = gauge("gpuwatch_gpu_power_limit_watts", "Enforced GPU power limit.")
         healthy = GaugeMetricFamily("gpuwatch_gpu_healthy",
                                     "1 if the GPU is usable; reason says why not (lost, xid, row-remap-failure, "
-                                    "ecc-uncorrectable, nvml-errors).", labels=[*GPU_LABELS, "reason"])
+                                    "ecc-uncorrectable, nvml-errors); xid is the Xid when reason is xid.",
+                                    labels=[*GPU_LABELS, "reason", "xid"])
         xid = CounterMetricFamily("gpuwatch_gpu_xid_errors", "Xid errors seen since the agent started.",
                                   labels=GPU_LABELS)
         info = InfoMetricFamily("gpuwatch_gpu", "Static GPU facts.",
@@ -126,7 +127,7 @@ class SnapshotCollector(Collector):
                                   (power, d.power_watts), (power_limit, d.power_limit_watts)):
                 if value is not None:
                     family.add_metric(labels, float(value))
-            healthy.add_metric([*labels, health_reason(s, d.index, d.healthy)], 1.0 if d.healthy else 0.0)
+            healthy.add_metric([*labels, *health_reason(s, d.index, d.healthy)], 1.0 if d.healthy else 0.0)
             xid.add_metric(labels, d.xid_errors_total)
             info.add_metric(labels, {"pci_bus_id": d.pci_bus_id or "", "mig": str(d.is_mig).lower(),
                                      "parent_uuid": d.parent_uuid or "",

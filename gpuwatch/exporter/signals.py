@@ -71,13 +71,13 @@ def _health(s: Snapshot) -> list[Metric]:
     return [transitions]
 
 
-def health_reason(s: Snapshot, index: int, healthy: bool) -> str:
-    """The `reason` label of gpuwatch_gpu_healthy ("ok" when healthy)."""
+def health_reason(s: Snapshot, index: int, healthy: bool) -> tuple[str, str]:
+    """The `reason` and `xid` labels of gpuwatch_gpu_healthy ("ok", "" when healthy)."""
     if s.signals is not None:
         for verdict in s.signals.health:
             if verdict.index == index:
-                return verdict.reason
-    return "ok" if healthy else "unhealthy"
+                return verdict.reason, str(verdict.xid) if verdict.xid is not None else ""
+    return ("ok" if healthy else "unhealthy"), ""
 
 
 def _topology(s: Snapshot) -> list[Metric]:

@@ -54,7 +54,7 @@ def test_gpu_metrics() -> None:
     assert reg.get_sample_value("gpuwatch_gpu_memory_free_bytes", g0) == 74 * GIB
     assert reg.get_sample_value("gpuwatch_gpu_temperature_celsius", g0) == 41.0
     assert reg.get_sample_value("gpuwatch_gpu_power_watts", g0) == 123.5
-    assert reg.get_sample_value("gpuwatch_gpu_healthy", {**g0, "reason": "ok"}) == 1.0
+    assert reg.get_sample_value("gpuwatch_gpu_healthy", {**g0, "reason": "ok", "xid": ""}) == 1.0
     # N/A is absent, not zero
     g1 = {**g0, "gpu": "1", "uuid": "GPU-fake-1"}
     assert reg.get_sample_value("gpuwatch_gpu_temperature_celsius", g1) is None
