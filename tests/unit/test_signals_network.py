@@ -357,8 +357,9 @@ class ProcTree:
     def set_bytes(self, pid: int | str, **interfaces: tuple[int, int]) -> None:
         write(self.proc / str(pid) / "net" / "dev", net_dev(**interfaces))
 
-    def reader(self, **kwargs: int) -> NetworkReader:
-        return NetworkReader(proc_root=str(self.proc), sys_root=str(self.root / "sys"), **kwargs)
+    def reader(self, max_netns_per_cycle: int = 32) -> NetworkReader:
+        return NetworkReader(proc_root=str(self.proc), sys_root=str(self.root / "sys"),
+                             max_netns_per_cycle=max_netns_per_cycle)
 
 
 def by_name(result: tuple[ContainerNetwork, ...]) -> dict[str, tuple[int, int]]:
@@ -534,3 +535,15 @@ def test_sysfs_links_answer_the_last_list_between_full_reads(tmp_path: Path) -> 
     source.close()
     with pytest.raises(LinkSourceError, match="cannot list"):
         SysfsLinks(str(tmp_path / "nowhere")).links(full=True)
+
+
+def test_a_pod_member_that_exited_is_dropped_when_its_namespace_is_read(tmp_path: Path) -> None:
+    tree = ProcTree(tmp_path)
+    tree.add(100, "pod", eth0=(1, 2))
+    tree.add(101, "pod", eth0=(1, 2))
+    reader = tree.reader()
+    targets = [(identity("trainer", pod="p"), 100), (identity("sidecar", pod="p"), 101)]
+    assert set(by_name(reader.read_containers(targets))) == {"trainer", "sidecar"}
+    (tree.proc / "101" / "ns" / "net").unlink()  # the sidecar's process exited
+    assert by_name(reader.read_containers(targets)) == {"trainer": (1, 2)}
+    assert reader.errors_total[VANISHED] == 1
