@@ -25,6 +25,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "sim": ("gpuwatch.cli.sim", "sim", "Simulated GPU node for tests, benchmarks and demos."),
     "trace": ("gpuwatch.cli.trace", "trace", "Live per-container stream of GPU driver events (BPF)."),
     "policy": ("gpuwatch.cli.policy", "policy", "Check and explain enforcement policy files."),
+    "extender": ("gpuwatch.cli.extender", "extender",
+                 "kube-scheduler extender: place GPU pods by what nodes really have (from Prometheus)."),
     "version": ("gpuwatch.cli.main", "version_cmd", "Print the gpuwatch version."),
 }
 

@@ -1,0 +1,210 @@
+"""The extender's HTTP service: a WSGI app served by waitress.
+
+waitress (a well-kept pure-Python WSGI server) gives what a webhook kube-scheduler calls
+on every scheduling cycle needs without code of ours: HTTP/1.1 keep-alive, a bounded
+thread pool (`threads`), a cap on open connections (`connection_limit`; the rest wait in
+the listen backlog), a request-body limit enforced while reading (413 past it), and
+`channel_timeout` closing idle or stalled connections (a Content-Length longer than the
+body cannot hold a thread). This module only routes and answers:
+
+    POST <prefix>/filter       ExtenderArgs -> ExtenderFilterResult
+    POST <prefix>/prioritize   ExtenderArgs -> HostPriorityList
+    GET  /metrics              the extender's own metrics (Prometheus text)
+    GET  /healthz              200 "ok"
+
+Malformed JSON, too-deep JSON, wrong types -> 400 with the reason; unknown paths 404;
+wrong methods 405 (with Allow). No input reaches a traceback: any unexpected error is a
+500 with a one-line reason, counted, logged once per kind. Nothing a request says changes
+state except a prioritize's promise (gpuwatch.extender.promises).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.extender.request import BadRequest
+from gpuwatch.extender.service import Extender
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 64
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+VERBS = ("filter", "prioritize")
+
+StartResponse = Callable[..., Any]
+
+
+class ExtenderMetrics:
+    """The extender's own metrics, in a private registry (no global side effects)."""
+
+    def __init__(self, prometheus_errors: Callable[[], float] | None = None,
+                 prometheus_queries: Callable[[], float] | None = None,
+                 promises: Callable[[], float] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("gpuwatch_extender_requests", "Extender requests by verb and result.",
+                                ["verb", "result"], registry=self.registry)
+        self.latency = Histogram("gpuwatch_extender_request_duration_seconds", "Time to answer a verb.",
+                                 ["verb"], registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+        self.prometheus_errors = Gauge("gpuwatch_extender_prometheus_errors",
+                                       "Failed Prometheus queries since start (counter semantics).",
+                                       registry=self.registry)
+        self.prometheus_queries = Gauge("gpuwatch_extender_prometheus_queries",
+                                        "Prometheus queries made since start (counter semantics).",
+                                        registry=self.registry)
+        self.promised = Gauge("gpuwatch_extender_promises", "Pods with memory promised but not seen yet.",
+                              registry=self.registry)
+        if prometheus_errors is not None:
+            self.prometheus_errors.set_function(prometheus_errors)
+        if prometheus_queries is not None:
+            self.prometheus_queries.set_function(prometheus_queries)
+        if promises is not None:
+            self.promised.set_function(promises)
+
+
+def _depth_ok(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Nesting depth of parsed JSON within `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return True
+
+
+class ExtenderApp:
+    """WSGI application over one Extender."""
+
+    def __init__(self, extender: Extender, metrics: ExtenderMetrics, url_prefix: str = "") -> None:
+        self.extender = extender
+        self.metrics = metrics
+        self.prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path in ("/metrics", "/healthz"):
+            if method not in ("GET", "HEAD"):
+                return self._plain(start_response, 405, f"{path} takes GET", allow="GET, HEAD")
+            if path == "/healthz":
+                return self._plain(start_response, 200, "ok")
+            body = generate_latest(self.metrics.registry)
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+            return [body]
+        verb = path.rsplit("/", 1)[-1]
+        if verb not in VERBS or path != f"{self.prefix}/{verb}":
+            return self._plain(start_response, 404, f"unknown path {path[:200]!r}: the verbs are "
+                                                    f"{self.prefix}/filter and {self.prefix}/prioritize")
+        if method != "POST":
+            return self._plain(start_response, 405, f"{verb} takes POST (kube-scheduler's extender call)",
+                               allow="POST")
+        started = time.perf_counter()
+        status, payload, result = self._answer(verb, environ)
+        self.metrics.latency.labels(verb).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(verb, result).inc()
+        data = json.dumps(payload, separators=(",", ":")).encode()
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]
+
+    def _answer(self, verb: str, environ: dict[str, Any]) -> tuple[str, Any, str]:
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return "400 Bad Request", {"Error": "bad Content-Length"}, "bad_request"
+        if length <= 0:
+            return "400 Bad Request", {"Error": f"{verb} needs a JSON ExtenderArgs body"}, "bad_request"
+        raw = environ["wsgi.input"].read(length)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            return "400 Bad Request", {"Error": f"request body is not JSON: {str(err)[:200]}"}, "bad_request"
+        if not _depth_ok(body):
+            return "400 Bad Request", {"Error": f"request JSON nested deeper than {MAX_JSON_DEPTH}"}, "bad_request"
+        try:
+            if verb == "filter":
+                result = self.extender.filter(body)
+                return "200 OK", result, "error" if result.get("Error") else "ok"
+            return "200 OK", self.extender.prioritize(body), "ok"
+        except BadRequest as err:
+            return "400 Bad Request", {"Error": str(err)}, "bad_request"
+        except GpuwatchError as err:  # no usable data: kube-scheduler ignores a failed prioritize
+            return "503 Service Unavailable", {"Error": f"gpuwatch extender: {err}"}, "error"
+        except Exception as err:  # the service never crashes on input; say what broke, once per kind
+            self._log_once(f"{verb}:{type(err).__name__}", f"{verb} failed: {err!r}")
+            return "500 Internal Server Error", {"Error": f"internal error: {type(err).__name__}"}, "internal"
+
+    def _log_once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._logged or len(self._logged) > 100:
+                return
+            self._logged.add(key)
+        log.exception(message)
+
+    @staticmethod
+    def _plain(start_response: StartResponse, code: int, text: str, allow: str | None = None) -> list[bytes]:
+        reasons = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}
+        data = (text + "\n").encode()
+        headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+        if allow:
+            headers.append(("Allow", allow))
+        start_response(f"{code} {reasons[code]}", headers)
+        return [data]
+
+
+class ExtenderServer:
+    """waitress serving an ExtenderApp in a background thread (`start`/`stop`) or the foreground (`run`)."""
+
+    def __init__(self, app: ExtenderApp, host: str, port: int, *, threads: int = 8, connection_limit: int = 200,
+                 channel_timeout_s: int = 30, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        from waitress.server import create_server
+
+        self.server = create_server(app, host=host, port=port, threads=threads, connection_limit=connection_limit,
+                                    channel_timeout=channel_timeout_s, max_request_body_size=max_body_bytes,
+                                    cleanup_interval=max(1, channel_timeout_s // 3),
+                                    ident="gpuwatch-extender", clear_untrusted_proxy_headers=True)
+        self.port = int(self.server.effective_port)
+        self.host = host
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        self.server.run()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.server.run, name="gpuwatch-extender", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the listener and every open (keep-alive) connection, then the worker threads."""
+        server = self.server
+
+        def close_all() -> None:  # runs in the server's loop thread, where the channel map lives
+            for channel in list(server._map.values()):
+                channel.close()
+
+        if self._thread is not None and self._thread.is_alive():
+            server.trigger.pull_trigger(close_all)
+            self._thread.join(5)
+            self._thread = None
+        else:
+            server.close()
+        server.task_dispatcher.shutdown()
