@@ -61,3 +61,47 @@ def test_crane_policy_names_percent_rules() -> None:
     for entry in spec["predicate"]:
         assert 0 < entry["maxLimitPecent"] <= 1  # crane's own (misspelt) field name
     assert abs(sum(p["weight"] for p in spec["priority"]) - 1.0) < 1e-9
+
+
+EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "bindVerb", "weight", "enableHTTPS",
+                   "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0}
+    for unit in ("ms", "s", "m"):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * units[unit]
+    raise AssertionError(f"bad duration {duration!r}")
+
+
+def test_kube_scheduler_configuration_calls_the_extender_service() -> None:
+    """Fields as kubescheduler.config.k8s.io/v1 Extender defines them (json names), verbs the
+    server answers, the Service it reaches, a timeout above the extender's Prometheus timeout."""
+    import kubernetes_validate
+
+    from gpuwatch.extender.server import VERBS
+
+    config = _load("kube-scheduler-config.yaml")
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert [p["schedulerName"] for p in config["profiles"]] == ["gpuwatch-scheduler"]
+    (ext,) = config["extenders"]
+    assert set(ext) <= EXTENDER_FIELDS, set(ext) - EXTENDER_FIELDS
+    assert ext["filterVerb"] in VERBS and ext["prioritizeVerb"] in VERBS
+    assert ext["nodeCacheCapable"] is True and ext["ignorable"] is True
+    assert 1 <= ext["weight"] <= 100
+    assert _seconds(ext["httpTimeout"]) > 2.0  # the extender's default --prometheus-timeout
+    assert [r["name"] for r in ext["managedResources"]] == ["nvidia.com/gpu"]
+    docs = [d for d in yaml.safe_load_all((SCHEDULING / "extender.yaml").read_text()) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    kinds = {d["kind"]: d for d in docs}
+    service = kinds["Service"]
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    port = service["spec"]["ports"][0]["port"]
+    assert ext["urlPrefix"] == f"http://{host}:{port}"
+    container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "extender"
+    assert f"--listen=0.0.0.0:{container['ports'][0]['containerPort']}" in container["args"]
+    assert kinds["Deployment"]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
