@@ -134,9 +134,11 @@ class Extender:
         state = self._fresh_state()
         verdicts = self._verdicts(request, names, state)
         scores = scores_of(request, verdicts)
-        result = [{"Host": n, "Score": max(0, min(MAX_EXTENDER_PRIORITY,
-                                                 round(MAX_EXTENDER_PRIORITY * scores.get(n, 0.0))))}
-                  for n in names]
+        # the best candidate gets 10 and the others in proportion: kube-scheduler ranks by
+        # these integers, and 0..1 values close together would otherwise round alike
+        best = max(scores.values(), default=0.0)
+        result = [{"Host": n, "Score": max(0, min(MAX_EXTENDER_PRIORITY, round(
+            MAX_EXTENDER_PRIORITY * scores.get(n, 0.0) / best) if best > 0 else 0))} for n in names]
         if log.isEnabledFor(logging.DEBUG):
             for verdict in verdicts:
                 log.debug("prioritize %s/%s (%s): %s -> %.2f", request.namespace, request.name,
