@@ -10,11 +10,21 @@ No API server: the runtimes already wrote what we need to disk.
 * Docker: /var/lib/docker/containers/<id>/config.v2.json: Name and Config.Labels (the
   dockershim put io.kubernetes.* labels there).
 The parsers are pure and never raise on bad input: they return None or empty fields.
+
+GPU sharing annotations (gpuwatch.io/sharing: exclusive|shared|auto, gpuwatch.io/gpu-share:
+"0.5"; vocabulary and meaning in gpuwatch/policy/sharing.py) are read from the same
+annotations (CRI-O also from its io.kubernetes.cri-o.Annotations JSON; Docker from labels of
+that name or dockershim's "annotation.<key>" labels). Valid values become
+`ContainerMetadata.sharing_labels` and, through the resolver, identity labels under the same
+keys; an invalid value is logged once (per file and value) and treated as absent.
+containerd copies pod annotations into a container's config.json only when its runtime
+handler lists them: `pod_annotations = ["gpuwatch.io/*"]` in the CRI plugin's runtime config.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.containers.procfs import read_text
+from gpuwatch.policy.sharing import ANNOTATION_KEYS, sharing_annotations
+
+log = logging.getLogger(__name__)
+_REPORTED_MAX = 4096
+_reported: set[tuple[str, str]] = set()
 
 # Ids are path components; refuse anything that could walk out of a root.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,254}$")
@@ -60,6 +75,20 @@ class ContainerMetadata:
     pod_namespace: str = ""
     pod_uid: str = ""
     container_type: str = ""  # "sandbox" for the pod's pause container, else "container"/""
+    sharing_labels: tuple[tuple[str, str], ...] = ()  # valid gpuwatch.io sharing annotations, normalised
+
+
+def _sharing(annotations: dict[str, str], source: str) -> tuple[tuple[str, str], ...]:
+    """The valid sharing annotations; each invalid one is logged once per (file, problem)."""
+    pairs, problems = sharing_annotations(annotations)
+    for problem in problems:
+        if (source, problem) in _reported:
+            continue
+        if len(_reported) >= _REPORTED_MAX:
+            _reported.clear()
+        _reported.add((source, problem))
+        log.warning("%s: %s; ignored (treated as absent)", source, problem)
+    return pairs
 
 
 def _s(v: Any) -> str:
@@ -101,6 +130,10 @@ def metadata_from_annotations(annotations: Mapping[str, Any], runtime: str, sour
         pod_uid = pod_uid or k8s.group("uid")
     if not container and ctype == "sandbox":
         container = "POD"
+    sharing_source = {k: a[k] for k in ANNOTATION_KEYS if k in a}
+    if len(sharing_source) < len(ANNOTATION_KEYS):  # CRI-O keeps the pod's annotations as JSON too
+        crio = _json_map(a.get("io.kubernetes.cri-o.Annotations", ""))
+        sharing_source = {**{k: crio[k] for k in ANNOTATION_KEYS if k in crio}, **sharing_source}
     return ContainerMetadata(
         runtime=runtime,
         source=source,
@@ -109,7 +142,19 @@ def metadata_from_annotations(annotations: Mapping[str, Any], runtime: str, sour
         pod_namespace=namespace,
         pod_uid=pod_uid,
         container_type=ctype,
+        sharing_labels=_sharing(sharing_source, source),
     )
+
+
+def _json_map(text: str) -> dict[str, str]:
+    """A JSON object of strings (other values dropped), {} for anything else."""
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {}
+    return {k: _s(v) for k, v in parsed.items() if isinstance(k, str)} if isinstance(parsed, dict) else {}
 
 
 def parse_oci_config(text: str, runtime: str, source: str) -> ContainerMetadata | None:
@@ -146,6 +191,8 @@ def parse_docker_config_v2(text: str, source: str) -> ContainerMetadata | None:
         namespace, uid = namespace or k8s.group("ns"), uid or k8s.group("uid")
     ctype = labels.get("io.kubernetes.docker.type", "")
     ctype = {"podsandbox": "sandbox"}.get(ctype, ctype)
+    sharing_source = {k: labels[f"annotation.{k}"] for k in ANNOTATION_KEYS if f"annotation.{k}" in labels}
+    sharing_source.update({k: labels[k] for k in ANNOTATION_KEYS if k in labels})
     return ContainerMetadata(
         runtime="docker",
         source=source,
@@ -154,6 +201,7 @@ def parse_docker_config_v2(text: str, source: str) -> ContainerMetadata | None:
         pod_namespace=namespace,
         pod_uid=uid,
         container_type=ctype,
+        sharing_labels=_sharing(sharing_source, source),
     )
 
 

@@ -318,6 +318,7 @@ def _merge(base: ContainerIdentity, meta: ContainerMetadata) -> ContainerIdentit
     labels = base.labels
     if meta.container_type:
         labels = (*labels, ("container_type", meta.container_type))
+    labels = (*labels, *meta.sharing_labels)  # gpuwatch.io/sharing, gpuwatch.io/gpu-share (policy/sharing.py)
     return replace(
         base,
         runtime=runtime,
