@@ -12,6 +12,12 @@ policy file (reload on SIGHUP or mtime change; an invalid file never replaces th
 policy), the actions, the audit log (every decision, dry-run and suppressed ones too), the
 metrics and the in-kernel limit map hook. On start it thaws whatever a crashed previous
 run left frozen (state file).
+
+It also carries out what pods ask for with the sharing annotations (policy/sharing.py):
+`exclusive` -> every other container on the node gets the held GPU denied by the device
+gate (lifted when the holder is gone); `shared` + `gpu-share` -> the closed-loop throttle
+at that share unless the container's rule has a throttle step. Each change is audited
+(rule "sharing"); a dry run audits without acting.
 """
 
 from __future__ import annotations
@@ -36,12 +42,34 @@ from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap, kernel_action
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
 from gpuwatch.enforce.probe_events import convert_events
+from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
 from gpuwatch.enforce.webhook_requests import decide_webhook
 from gpuwatch.errors import EnforcementError, PolicyError
 from gpuwatch.model import ContainerIdentity, Snapshot
-from gpuwatch.policy.evaluate import Decision, EvaluationResult, EvaluatorState, SafetyContext, evaluate
+from gpuwatch.policy.evaluate import (
+    VANISHED_INTERVALS,
+    Decision,
+    EvaluationResult,
+    EvaluatorState,
+    SafetyContext,
+    Verb,
+    evaluate,
+)
 from gpuwatch.policy.loader import load_policy
-from gpuwatch.policy.model import Policy
+from gpuwatch.policy.match import select_rule
+from gpuwatch.policy.model import ActionKind, Policy
+from gpuwatch.policy.sharing import (
+    ExclusivePlan,
+    allowed_without,
+    exclusive_holders,
+    format_share,
+    gate_exemption,
+    gpu_users,
+    is_glob,
+    namespace_memory_quotas,
+    plan_exclusive,
+    sharing_of,
+)
 
 log = logging.getLogger(__name__)
 EPOCH_THRESHOLD_S = 1e9
@@ -71,6 +99,8 @@ class Enforcer:
         device_gate: DeviceGate | None = None,
         busy_source: BusySource | None = None,
         throttle_control_s: float = 0.25,
+        node_containers: NodeContainers | None = None,
+        node_scan_s: float = 30.0,
     ) -> None:
         """Load the policy (PolicyError if invalid), build the actions, thaw leftovers.
 
@@ -80,6 +110,10 @@ class Enforcer:
 
         `busy_source` defaults to the container's kernel_seconds_total from the latest
         snapshot (so throttle control runs at the sample interval: `throttle_control_s`).
+
+        `node_containers` lists every container on the node (not only GPU users): asked each
+        snapshot while a GPU is held exclusively, else every `node_scan_s` when the policy has
+        glob namespace quotas. None: only the containers the snapshot shows are known.
         """
         self.policy_path = Path(policy_path)
         self.dry_run = dry_run
@@ -116,6 +150,9 @@ class Enforcer:
         self._identities: dict[str, ContainerIdentity] = {}
         self._closed = False
         self._webhook_times: list[float] = []
+        self.sharing = SharingLedger()
+        self.node_listing = NodeListing(node_containers, node_scan_s)
+        self.last_exclusive = ExclusivePlan()
         self.recovered = self.actions.control.registry.recover()
 
     # -- policy -------------------------------------------------------------------------
@@ -194,8 +231,9 @@ class Enforcer:
             self.last_outcomes = outcomes
             self.metrics.count_deadlocks(result.deadlocks_detected, result.deadlocks_resolved)
             self._identities = {row.identity.key: row.identity for row in snapshot.containers}
-            self._push_limits(result)
-            self._update_view(result)
+            self._push_limits(result, snapshot)
+            self._sharing_throttles(result, snapshot, clock())
+            self._update_view(result, snapshot)
         self.last_latency_s = time.perf_counter() - started
         return [o.decision for o in outcomes]
 
@@ -229,8 +267,9 @@ class Enforcer:
         self.audit.record(decision, result, dry_run=self.dry_run, event="completed")
         self.metrics.count_action(decision.verb.value, result.status.value)
 
-    def _push_limits(self, result: EvaluationResult) -> None:
-        """Effective GPU memory limit (and kernel action) per cgroup id into the kernel map."""
+    def _push_limits(self, result: EvaluationResult, snapshot: Snapshot | None = None) -> None:
+        """Effective GPU memory limit (and kernel action) per cgroup id into the kernel map,
+        then the device gate (_push_devices)."""
         with self._lock:
             policy = self.policy
         rules = {r.name: r for r in policy.rules}
@@ -253,6 +292,11 @@ class Enforcer:
             for cgroup_id in set(self._pushed_limits) - set(wanted):
                 self.limit_map.clear(cgroup_id)
         self._pushed_limits = wanted
+        self._push_devices(result, snapshot)
+
+    def _push_devices(self, result: EvaluationResult, snapshot: Snapshot | None) -> None:
+        """Device gate per cgroup id: the rule's `limits.devices`, minus GPUs another
+        container holds exclusively; changes pushed to the gate (not in a dry run)."""
         devices: dict[int, tuple[int, ...]] = {}
         with self._lock:
             policy = self.policy
@@ -263,6 +307,12 @@ class Enforcer:
                 continue
             if not self.safety.unsafe_reason(identity):
                 devices[identity.cgroup_id] = rule.limits.devices
+        plan = self._plan_exclusive(policy, snapshot)
+        for key, gpus in plan.denied.items():
+            cgroup_id = plan.identities[key].cgroup_id
+            if cgroup_id is not None:
+                devices[cgroup_id] = allowed_without(devices.get(cgroup_id), gpus)
+        refused: set[int] = set()
         if not self.dry_run:
             pushed: dict[int, tuple[int, ...]] = {}
             for cgroup_id, allowed in devices.items():
@@ -271,6 +321,7 @@ class Enforcer:
                         self.device_gate.allow_only(cgroup_id, allowed)
                     except EnforcementError as err:  # retried next snapshot; the old gate stays
                         log.warning("device isolation of cgroup %d not applied: %s", cgroup_id, err)
+                        refused.add(cgroup_id)
                         if cgroup_id in self._pushed_devices:
                             pushed[cgroup_id] = self._pushed_devices[cgroup_id]
                         continue
@@ -279,8 +330,182 @@ class Enforcer:
                 self.device_gate.clear(cgroup_id)
             devices = pushed
         self._pushed_devices = devices
+        self._audit_exclusive(plan, refused)
+        self.last_exclusive = plan
 
-    def _update_view(self, result: EvaluationResult) -> None:
+    # -- sharing annotations --------------------------------------------------------------
+    @property
+    def _gate_enforces(self) -> bool:
+        return bool(getattr(self.device_gate, "enforcing", True))
+
+    def _plan_exclusive(self, policy: Policy, snapshot: Snapshot | None) -> ExclusivePlan:
+        if snapshot is None:
+            return ExclusivePlan()
+        holders = exclusive_holders(gpu_users(snapshot))
+        if not holders:
+            return ExclusivePlan()
+        if not self.dry_run and not self._gate_enforces:
+            gpu, found = min(holders.items())
+            self.sharing.say_once(
+                "no-gate",
+                "GPU %d is used by %s (gpuwatch.io/sharing: exclusive) but nothing keeps other containers "
+                "off it: no BPF device gate (the agent needs root and its kernel probes); exclusive use "
+                "is exported, not enforced",
+                gpu,
+                ", ".join(i.display_name for i in found.values()),
+            )
+        if self.node_listing.source is None:
+            self.sharing.say_once(
+                "no-listing",
+                "exclusive GPU use: only containers seen using a GPU are kept off a held GPU "
+                "(no node container listing wired)",
+            )
+        return plan_exclusive(policy, snapshot, self.node_listing.get(now=True), self.safety.unsafe_reason)
+
+    def _sharing_decision(self, verb: Verb, identity: ContainerIdentity, reason: str, gpus: tuple[int, ...] = (),
+                          share: float | None = None, suppressed: str = "") -> Decision:
+        measured = tuple((f"gpu{g}", 1.0) for g in gpus)
+        if share is not None:
+            measured += (("gpu_share", share),)
+        return Decision(verb, identity, SHARING_RULE, "sharing", reason, measured=measured, share=share,
+                        suppressed=suppressed)
+
+    def _record(self, decision: Decision, result: ActionResult) -> None:
+        self.audit.record(decision, result, dry_run=self.dry_run)
+        self.metrics.count_action(decision.verb.value, result.status.value)
+
+    def _audit_exclusive(self, plan: ExclusivePlan, refused: set[int]) -> None:
+        """One audit record per container whose exclusive denials changed (deny-device /
+        allow-device), per suppressed (protected, host) one and per refusal of the gate."""
+        ledger = self.sharing
+        if not self.dry_run and not self._gate_enforces:
+            ledger.denied.clear()  # nothing was done, so nothing to audit or lift
+            return
+        for key in sorted(set(plan.denied) | set(ledger.denied)):
+            before = ledger.denied.get(key, ())
+            after = plan.denied.get(key, ())
+            if before == after:
+                continue
+            identity = plan.identities.get(key) or ledger.identities[key]
+            if identity.cgroup_id in refused:
+                if ledger.failed.get(key) != after:
+                    ledger.failed[key] = after
+                    reason = f"keep off GPU {', '.join(map(str, after))} (held exclusively)"
+                    self._record(self._sharing_decision(Verb.DENY_DEVICE, identity, reason, after),
+                                 ActionResult(Status.FAILED, "the device gate refused; retried every snapshot"))
+                continue
+            ledger.failed.pop(key, None)
+            added = tuple(g for g in after if g not in before)
+            lifted = tuple(g for g in before if g not in after)
+            done = ActionResult(Status.DRY_RUN, "dry run: nothing done") if self.dry_run else None
+            if added:
+                reason = "; ".join(f"GPU {g} is held exclusively by {plan.holder_names(g)}" for g in added)
+                self._record(self._sharing_decision(Verb.DENY_DEVICE, identity, reason, added),
+                             done or ActionResult(Status.OK, f"may not open GPU {', '.join(map(str, added))}"))
+            if lifted:
+                gone = key not in plan.identities and bool(plan.holders)
+                reason = "container left the node" if gone else "; ".join(
+                    f"GPU {g} is no longer held exclusively" for g in lifted)
+                result = done or (ActionResult(Status.GONE, "gate lifted") if gone else
+                                  ActionResult(Status.OK, f"may open GPU {', '.join(map(str, lifted))} again"))
+                self._record(self._sharing_decision(Verb.ALLOW_DEVICE, identity, reason, lifted), result)
+            if after:
+                ledger.denied[key] = after
+                ledger.identities[key] = identity
+            else:
+                ledger.denied.pop(key, None)
+                ledger.identities.pop(key, None)
+        for key in set(ledger.failed) - set(plan.denied):
+            ledger.failed.pop(key)
+        for key, why in plan.exempt.items():
+            gpus = tuple(sorted(g for g, held in plan.holders.items() if key not in held))
+            if ledger.suppressed.get(key) == gpus or not plan.identities[key].is_container:
+                continue  # (the host's processes are never a target: nothing to record)
+            ledger.suppressed[key] = gpus
+            reason = "; ".join(f"GPU {g} is held exclusively by {plan.holder_names(g)}" for g in gpus)
+            self._record(self._sharing_decision(Verb.DENY_DEVICE, plan.identities[key], reason, gpus, suppressed=why),
+                         ActionResult(Status.SUPPRESSED, why))
+        for key in set(ledger.suppressed) - set(plan.exempt):
+            ledger.suppressed.pop(key)
+
+    def _sharing_throttles(self, result: EvaluationResult, snapshot: Snapshot, now: float) -> None:
+        """`gpuwatch.io/sharing: shared` + `gpuwatch.io/gpu-share: x`: keep a throttle at x on
+        the container while it is in the snapshot. A rule with a throttle step decides alone;
+        a throttle/pause the policy (or the webhook) holds on it wins while it holds."""
+        with self._lock:
+            policy = self.policy
+        ledger = self.sharing
+        control = self.actions.control
+        held = set(result.state.reversible_active)
+        throttled = control.throttled()
+        paused = control.paused()
+        wanted: dict[str, tuple[ContainerIdentity, float]] = {}
+        for key, identity in self._identities.items():
+            share = sharing_of(identity).throttle_share
+            if share is None:
+                continue
+            ledger.last_seen_s[key] = now
+            rule = select_rule(policy, identity).rule
+            if rule is not None and any(step.kind is ActionKind.THROTTLE for step in rule.actions):
+                continue  # the rule's own throttle step wins (SCHEMA.md: sharing modes)
+            why = gate_exemption(policy, identity, self.safety.unsafe_reason(identity), need_cgroup_id=False)
+            if why:
+                if ledger.throttle_failed.get(key) != share:
+                    ledger.throttle_failed[key] = share
+                    self._record(self._sharing_decision(Verb.THROTTLE, identity, self._share_reason(share),
+                                                        share=share, suppressed=why),
+                                 ActionResult(Status.SUPPRESSED, why))
+                continue
+            wanted[key] = (identity, share)
+        for key, (identity, share) in wanted.items():
+            if key in held or identity.cgroup_path in paused or ledger.throttle_failed.get(key) == share:
+                continue
+            running = throttled.get(identity.cgroup_path)
+            if not self.dry_run and running is not None and running.running:
+                continue  # ours, or one the policy/webhook started (it wins while it runs)
+            if self.dry_run and ledger.throttles.get(key) == share:
+                continue
+            decision = self._sharing_decision(Verb.THROTTLE, identity, self._share_reason(share), share=share)
+            outcome = self._carry_out(decision)
+            if outcome.status in (Status.OK, Status.DRY_RUN):
+                ledger.throttles[key] = share
+                ledger.throttle_identities[key] = identity
+            else:
+                ledger.throttle_failed[key] = share  # audited once; tried again if it comes back
+        grace = VANISHED_INTERVALS * max(snapshot.interval_s, 0.0)
+        for key in list(ledger.throttles):
+            if key in wanted and key in self._identities:
+                continue
+            if key not in self._identities and now - ledger.last_seen_s.get(key, now) < grace:
+                continue
+            identity = ledger.throttle_identities.pop(key)
+            del ledger.throttles[key]
+            if key in held:
+                continue  # the policy holds it now; its release thaws it
+            reason = "left the snapshot" if key not in self._identities else "the policy's rule now throttles it"
+            self._carry_out(self._sharing_decision(Verb.RELEASE, identity, f"gpu-share throttle ends: {reason}"))
+        for key in list(ledger.throttle_failed):
+            if key not in self._identities:
+                del ledger.throttle_failed[key]
+        for key in list(ledger.last_seen_s):
+            if key not in ledger.throttles and key not in self._identities:
+                del ledger.last_seen_s[key]
+
+    @staticmethod
+    def _share_reason(share: float) -> str:
+        return f"gpuwatch.io/sharing: shared, gpuwatch.io/gpu-share: {format_share(share)}"
+
+    def _quota_namespaces(self, snapshot: Snapshot) -> list[str]:
+        """Namespaces present on the node: the snapshot's, the probes', the node listing's."""
+        with self._lock:
+            policy = self.policy
+        names = {i.pod_namespace for i in self._identities.values()}
+        names |= {i.pod_namespace for _, i in snapshot.probe_identities}
+        if any(is_glob(q.namespace) for q in policy.namespace_quotas):
+            names |= {i.pod_namespace for i in self.node_listing.get(now=False)}
+        return sorted(n for n in names if n)
+
+    def _update_view(self, result: EvaluationResult, snapshot: Snapshot | None = None) -> None:
         limits = []
         for key, measured in result.measurements.items():
             identity = self._identities.get(key)
@@ -296,6 +521,16 @@ class Enforcer:
             for p, t in sorted(control.throttled().items())
         )
         self.metrics.set_view(tuple(limits), paused, throttled)
+        if snapshot is not None:
+            with self._lock:
+                policy = self.policy
+            quotas = namespace_memory_quotas(policy, self._quota_namespaces(snapshot))
+            gated = []
+            for device in snapshot.devices:
+                if device.index in self.last_exclusive.holders and device.mig_index is None:
+                    count = sum(1 for gpus in self.sharing.denied.values() if device.index in gpus)
+                    gated.append(((snapshot.node, str(device.index), device.uuid, device.name), count))
+            self.metrics.set_sharing(snapshot.node, tuple(sorted(quotas.items())), tuple(gated))
 
     # -- Alertmanager webhook ---------------------------------------------------------------
     def on_webhook(self, request: Any) -> str:

@@ -10,7 +10,9 @@ from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate
+from gpuwatch.enforce.sharing import NodeContainers
 from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.model import ContainerIdentity
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,8 @@ def build_device_gate(probes: Any, dry_run: bool = False) -> DeviceGate:
     probes) when the probes run, else NullDeviceGate; says what is off and why."""
     config = getattr(probes, "config", None)
     if config is None:
-        log.info("device isolation off: no BPF probes (policy `limits.devices` is reported, not enforced)")
+        log.info("device isolation off: no BPF probes (policy `limits.devices` and pods' "
+                 "`gpuwatch.io/sharing: exclusive` are reported, not enforced)")
         return NullDeviceGate()
     if dry_run:
         return NullDeviceGate()  # a dry run acts on nothing: no program to load
@@ -47,11 +50,57 @@ def build_device_gate(probes: Any, dry_run: bool = False) -> DeviceGate:
     try:
         gate.load()
     except ProbesUnavailable as err:
-        log.warning("device isolation off (policy `limits.devices` is reported, not enforced): %s", err)
+        log.warning("device isolation off (policy `limits.devices` and `gpuwatch.io/sharing: exclusive` "
+                    "are reported, not enforced): %s", err)
         return NullDeviceGate()
     log.info("device isolation on: cgroup device program for %sN (loaded in %.2f s)",
              config.device_prefix, gate.load_s)
     return gate
+
+
+class CgroupNodeContainers:
+    """Every container on the node (enforce.sharing.NodeContainers): a walk of the cgroup v2
+    tree below `subtrees` that stops at each cgroup whose path names a container (the runtime
+    table of containers/cgroup_path.py; a gate on it covers the sub-cgroups the container
+    makes), with the identity the containers layer gives it (runtime metadata: namespace,
+    sharing labels) and its cgroup id. One walk is a few thousand scandir entries on a busy
+    node; the enforcer asks only while a GPU is held exclusively (each snapshot) and for glob
+    namespace quotas (every 30 s)."""
+
+    def __init__(self, bundle_roots: Any = None, cgroup_root: str | None = None, proc_root: str = "/proc",
+                 subtrees: tuple[str, ...] = ("/",)) -> None:
+        from gpuwatch.containers.resolver import IdentityResolver
+
+        self._resolver = IdentityResolver(proc_root=proc_root, cgroup_root=cgroup_root, bundle_roots=bundle_roots,
+                                          sweep_min_interval_s=0.0)
+        self.subtrees = subtrees
+
+    def containers(self) -> list[ContainerIdentity]:
+        import os
+
+        from gpuwatch.containers.cgroup_path import normalize_path, parse_cgroup_path
+        from gpuwatch.containers.cgroupfs import cgroup_dir
+
+        root = self._resolver.mounts.unified
+        if root is None:
+            raise OSError("no cgroup v2 hierarchy is mounted")
+        self._resolver.begin_sweep()
+        found: list[ContainerIdentity] = []
+        stack = [normalize_path(p) for p in self.subtrees]
+        while stack:
+            path = stack.pop()
+            if path != "/" and parse_cgroup_path(path).container_id:
+                identity = self._resolver.identity_for_cgroup_path(path)
+                if identity.cgroup_id is not None:
+                    found.append(identity)
+                continue
+            try:
+                with os.scandir(cgroup_dir(root, path)) as entries:
+                    subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue  # gone while walking, or not there (a subtree this node lacks)
+            stack.extend(f"{path.rstrip('/')}/{name}" for name in subdirs)
+        return found
 
 
 def build_enforcer(
@@ -63,13 +112,19 @@ def build_enforcer(
     frozen_state_path: str | Path = DEFAULT_STATE_PATH,
     kernel_limit_action: str | None = None,
     device_gate: DeviceGate | None = None,
+    node_containers: NodeContainers | None = None,
+    bundle_roots: Any = None,
 ) -> Enforcer:
     """Enforcer with the default actions; `probes` (a started ProbeManager) wires the
     in-kernel limit map unless `limit_map` is given, and device isolation (a cgroup device
-    program) unless `device_gate` is given. Raises PolicyError for a bad policy."""
+    program) unless `device_gate` is given. The node's containers (for exclusive GPUs and
+    glob quotas) come from a CgroupNodeContainers over `bundle_roots` unless
+    `node_containers` is given. Raises PolicyError for a bad policy."""
     if limit_map is None and probes is not None and hasattr(probes, "set_limit"):
         limit_map = ProbeLimitMap(probes, kernel_limit_action)
     gate = device_gate if device_gate is not None else build_device_gate(probes, dry_run)
+    if node_containers is None:
+        node_containers = CgroupNodeContainers(bundle_roots=bundle_roots)
     try:
         return Enforcer(
             policy_path,
@@ -78,6 +133,7 @@ def build_enforcer(
             limit_map=limit_map,
             device_gate=gate,
             frozen_state_path=frozen_state_path,
+            node_containers=node_containers,
         )
     except BaseException:
         close = getattr(gate, "close", None)

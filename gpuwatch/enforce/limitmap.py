@@ -59,7 +59,9 @@ def kernel_action(rule: Rule | None, fair_share: bool = False) -> str:
 
 class DeviceGate(Protocol):
     """Hook for device isolation (a cgroup device BPF program, to come from the probes
-    layer): a container may open only the GPU device nodes of the given indices."""
+    layer): a container may open only the GPU device nodes of the given indices. A gate with
+    `enforcing = False` (NullDeviceGate) only records: the enforcer audits no device changes
+    through it and logs what is not enforced; a gate without the attribute enforces."""
 
     def allow_only(self, cgroup_id: int, gpu_indices: tuple[int, ...]) -> None: ...
 
@@ -67,7 +69,10 @@ class DeviceGate(Protocol):
 
 
 class NullDeviceGate:
-    """No kernel program: remembers the allowed GPUs per cgroup (observable in tests)."""
+    """No kernel program: remembers the allowed GPUs per cgroup (observable in tests).
+    `enforcing` is False: the enforcer audits no device changes through it (nothing is done)."""
+
+    enforcing = False
 
     def __init__(self) -> None:
         self.allowed: dict[int, tuple[int, ...]] = {}

@@ -3,7 +3,9 @@
 gpuwatch_enforce_actions_total{action,result}, gpuwatch_enforce_limit_bytes /
 gpuwatch_enforce_limit_gpu_time_share per container, gpuwatch_enforce_paused /
 gpuwatch_enforce_throttled_share per container, gpuwatch_policy_reloads_total{result},
-gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total.
+gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total,
+gpuwatch_namespace_gpu_memory_quota_bytes{node,namespace} (the policy's namespace quotas, for
+schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class EnforcerMetrics(Collector):
         self._limits: tuple[TargetLimits, ...] = ()
         self._paused: tuple[ContainerIdentity, ...] = ()
         self._throttled: tuple[tuple[ContainerIdentity, float, float | None], ...] = ()
+        self._node = ""
+        self._quotas: tuple[tuple[str, int], ...] = ()
+        self._gated: tuple[tuple[tuple[str, str, str, str], int], ...] = ()
 
     def count_action(self, action: str, result: str) -> None:
         with self._lock:
@@ -76,8 +81,20 @@ class EnforcerMetrics(Collector):
         with self._lock:
             self._limits, self._paused, self._throttled = limits, paused, throttled
 
+    def set_sharing(
+        self,
+        node: str,
+        quotas: tuple[tuple[str, int], ...],
+        gated: tuple[tuple[tuple[str, str, str, str], int], ...],
+    ) -> None:
+        """Namespace GPU memory quotas (namespace, bytes) and, per exclusively held GPU
+        ((node, gpu, uuid, model), containers the device gate keeps off it)."""
+        with self._lock:
+            self._node, self._quotas, self._gated = node, quotas, gated
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
+            node, quotas, gated = self._node, self._quotas, self._gated
             actions = dict(self.actions)
             reloads = dict(self.reloads)
             limits, paused, throttled = self._limits, self._paused, self._throttled
@@ -153,3 +170,20 @@ class EnforcerMetrics(Collector):
                 measured.add_metric(_target_labels(identity), measured_share)
         yield throttled_fam
         yield measured
+        quota_fam = GaugeMetricFamily(
+            "gpuwatch_namespace_gpu_memory_quota_bytes",
+            "GPU memory quota of a namespace from the policy's namespace_quotas (the smallest where "
+            "several match; glob quotas: for the namespaces present on the node).",
+            labels=["node", "namespace"],
+        )
+        for namespace, quota in quotas:
+            quota_fam.add_metric([node, namespace], quota)
+        yield quota_fam
+        gated_fam = GaugeMetricFamily(
+            "gpuwatch_enforce_exclusive_gated_containers",
+            "Containers the device gate keeps off a GPU while another container holds it exclusively.",
+            labels=["node", "gpu", "uuid", "model"],
+        )
+        for gpu_labels, count in gated:
+            gated_fam.add_metric(list(gpu_labels), count)
+        yield gated_fam

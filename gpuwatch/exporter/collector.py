@@ -11,6 +11,7 @@ Labels:
   per container:  node, gpu, uuid, model, namespace, pod, pod_uid, container, container_id
   per pod:        node, namespace, pod, pod_uid
   per namespace:  node, namespace
+Sharing (`_sharing`): gpuwatch_gpu_tenants and gpuwatch_gpu_exclusive per GPU (GPU labels).
 A cgroup that is not a container (host processes, systemd services) is exported with
 ``container`` = its cgroup path and an empty ``container_id``, so its series stay
 distinct. A field the GPU backend could not read (N/A) is left out, never exported as 0.
@@ -37,6 +38,7 @@ from gpuwatch.exporter.labels import (
 )
 from gpuwatch.exporter.signals import health_reason, signal_families
 from gpuwatch.model import Snapshot
+from gpuwatch.policy.sharing import exclusive_holders, gpu_users
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = self._get_snapshot()
         families: list[Metric] = []
-        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, signal_families):
+        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, self._sharing,
+                      signal_families):
             try:
                 families.extend(build(snapshot))
             except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
@@ -180,6 +183,25 @@ class SnapshotCollector(Collector):
                 count.add_metric(labels, g.containers)
             families += [memory, sm, kernel, count]
         return families
+
+    def _sharing(self, s: Snapshot) -> list[Metric]:
+        """Tenants per GPU and exclusive holds (gpuwatch.io/sharing, policy/sharing.py): from the
+        snapshot alone, so they exist without a policy. MIG instances are counted on their row's
+        GPU index and not exported separately."""
+        tenants = GaugeMetricFamily("gpuwatch_gpu_tenants",
+                                    "Containers on the GPU: holding memory or running on it.", labels=GPU_LABELS)
+        exclusive = GaugeMetricFamily("gpuwatch_gpu_exclusive",
+                                      "1 while a container annotated gpuwatch.io/sharing=exclusive holds the GPU.",
+                                      labels=GPU_LABELS)
+        users = gpu_users(s)
+        held = exclusive_holders(users)
+        for d in s.devices:
+            if d.mig_index is not None:
+                continue
+            labels = [s.node, gpu_label(d), d.uuid, d.name]
+            tenants.add_metric(labels, len(users.get(d.index, {})))
+            exclusive.add_metric(labels, 1.0 if held.get(d.index) else 0.0)
+        return [tenants, exclusive]
 
     def _probes(self, s: Snapshot) -> list[Metric]:
         if not s.probe_counters:

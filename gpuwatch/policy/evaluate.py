@@ -40,10 +40,15 @@ class Verb(StrEnum):
     KILL = "kill"
     RELEASE = "release"
     """Undo throttle/pause (thaw) and, with continue_stopped, SIGCONT stopped processes."""
+    DENY_DEVICE = "deny-device"
+    """Device gate: the target may no longer open some GPUs (another container holds them
+    exclusively; enforce/enforcer.py audits these, the evaluator never emits them)."""
+    ALLOW_DEVICE = "allow-device"
+    """Device gate: a GPU denied for exclusivity may be opened again."""
 
     @property
     def disruptive(self) -> bool:
-        return self not in (Verb.ALERT, Verb.RELEASE)
+        return self not in (Verb.ALERT, Verb.RELEASE, Verb.ALLOW_DEVICE)
 
 
 @dataclass(frozen=True)
