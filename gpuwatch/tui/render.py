@@ -14,6 +14,7 @@ from enum import StrEnum
 from gpuwatch.model import Snapshot
 from gpuwatch.snapshot_doc import iso_time, wall_time_s
 from gpuwatch.tui import fmt
+from gpuwatch.tui.cluster import ClusterSnapshot, is_cluster
 from gpuwatch.tui.state import (
     ContainerRow,
     GpuRow,
@@ -65,49 +66,58 @@ class Column:
     min_cells: int
 
 
+NODE_COLUMN = Column("NODE", False, 4)
 NAME_COLUMNS = (Column("NAMESPACE", False, 4), Column("POD", False, 4), Column("CONTAINER", False, 4))
 GPU_COLUMN = Column("GPU", True, 3)
-NUMBER_COLUMNS = (Column("PIDS(host/ctr)", False, 14), Column("MEMORY", True, 10),
-                  Column("SM%", True, 4), Column("KERNEL-S", True, 8))
+PIDS_COLUMN = Column("PIDS(host/ctr)", False, 14)
+NUMBER_COLUMNS = (PIDS_COLUMN, Column("MEMORY", True, 10), Column("SM%", True, 4), Column("KERNEL-S", True, 8))
 PROBE_COLUMN = Column("PROBES", False, 0)
 GAP = "  "
 
 
-def _container_cells(row: ContainerRow, flat: bool) -> list[str]:
-    cells = [row.namespace, row.pod, row.container]
+def _container_cells(row: ContainerRow, flat: bool, cluster: bool = False) -> list[str]:
+    """The cells of a container row; the cluster view adds NODE first and has no PIDs
+    (Prometheus has no per-process data)."""
+    cells = [row.node, row.namespace, row.pod, row.container] if cluster else [row.namespace, row.pod, row.container]
     if flat:
         cells.append(str(row.gpu_index))
-    return [*cells, row.pids_text, row.memory_text, row.sm_text, row.kernel_text, row.probe_text]
+    if not cluster:
+        cells.append(row.pids_text)
+    return [*cells, row.memory_text, row.sm_text, row.kernel_text, row.probe_text]
 
 
-def _columns(flat: bool) -> list[Column]:
-    return [*NAME_COLUMNS, *([GPU_COLUMN] if flat else []), *NUMBER_COLUMNS, PROBE_COLUMN]
+def _columns(flat: bool, cluster: bool = False) -> list[Column]:
+    names = [NODE_COLUMN, *NAME_COLUMNS] if cluster else list(NAME_COLUMNS)
+    numbers = [c for c in NUMBER_COLUMNS if not (cluster and c is PIDS_COLUMN)]
+    return [*names, *([GPU_COLUMN] if flat else []), *numbers, PROBE_COLUMN]
 
 
-def column_widths(rows: Sequence[Row], flat: bool, width_cells: int | None) -> list[int]:
+def column_widths(rows: Sequence[Row], flat: bool, width_cells: int | None, cluster: bool = False) -> list[int]:
     """Cell widths per column. Natural widths when `width_cells` is None (plain output);
-    otherwise the name columns shrink (never below their minimum) to fit the terminal."""
-    columns = _columns(flat)
+    otherwise the name columns (node too, in the cluster view) shrink (never below their
+    minimum) to fit the terminal."""
+    columns = _columns(flat, cluster)
     natural = [fmt.display_width(c.header) for c in columns]
     has_probe = False
     for row in rows:
         if isinstance(row, ContainerRow):
-            for i, cell in enumerate(_container_cells(row, flat)):
+            for i, cell in enumerate(_container_cells(row, flat, cluster)):
                 natural[i] = max(natural[i], fmt.display_width(cell))
             has_probe = has_probe or bool(row.probe_text)
     if not has_probe:
         natural[-1] = 0
     if width_cells is None:
         return natural
+    n_names = 4 if cluster else 3
     widths = [max(n, c.min_cells) for n, c in zip(natural, columns, strict=True)]
-    widths[:3] = [min(w, 40) for w in widths[:3]]
-    fixed = sum(widths[3:-1]) + len(GAP) * (len(columns) - 2)
+    widths[:n_names] = [min(w, 40) for w in widths[:n_names]]
+    fixed = sum(widths[n_names:-1]) + len(GAP) * (len(columns) - 2)
     room_for_names = width_cells - fixed - len(GAP)  # leading indent
-    names = widths[:3]
+    names = widths[:n_names]
     while sum(names) > room_for_names and any(w > 4 for w in names):
         widest = names.index(max(names))
         names[widest] -= 1
-    widths[:3] = names
+    widths[:n_names] = names
     used = sum(widths[:-1]) + len(GAP) * (len(columns) - 1)
     widths[-1] = max(min(natural[-1], width_cells - used - len(GAP)), 0)
     return widths
@@ -119,8 +129,8 @@ def _join(cells: Sequence[str], columns: Sequence[Column], widths: Sequence[int]
     return (GAP + GAP.join(parts)).rstrip()
 
 
-def header_text(flat: bool, widths: Sequence[int]) -> str:
-    columns = _columns(flat)
+def header_text(flat: bool, widths: Sequence[int], cluster: bool = False) -> str:
+    columns = _columns(flat, cluster)
     return _join([c.header for c in columns], columns, widths)
 
 
@@ -133,6 +143,10 @@ def gpu_text(row: GpuRow) -> str:
     if row.collapsed:
         flags.append(f"[{row.containers} hidden]")
     pct = fmt.ratio_percent_text(row.memory_ratio)
+    if row.node:  # cluster view: Prometheus has no temperature or power in the cluster queries
+        text = (f"{row.node}  GPU {row.gpu_index}  {row.name}  MEM {row.memory_text} {row.memory_bar} {pct}  "
+                f"UTIL {row.util_text}")
+        return text + ("  " + " ".join(flags) if flags else "")
     text = (f"GPU {row.gpu_index}  {row.name}  MEM {row.memory_text} {row.memory_bar} {pct}  "
             f"UTIL {row.util_text}  TEMP {row.temp_text}  POWER {row.power_text}")
     return text + ("  " + " ".join(flags) if flags else "")
@@ -143,13 +157,13 @@ def process_text(row: ProcessRow) -> str:
             f"{row.comm:<16} {row.memory_text:>10}  SM {row.sm_text:>4}")
 
 
-def row_text(row: Row, flat: bool, widths: Sequence[int]) -> str:
+def row_text(row: Row, flat: bool, widths: Sequence[int], cluster: bool = False) -> str:
     """One row as text (not yet fitted to the terminal width)."""
     if isinstance(row, GpuRow):
         return gpu_text(row)
     if isinstance(row, ContainerRow):
         marker = "-" if row.expanded else "+"
-        text = _join(_container_cells(row, flat), _columns(flat), widths)
+        text = _join(_container_cells(row, flat, cluster), _columns(flat, cluster), widths)
         return marker + text[1:] if row.processes else text
     if isinstance(row, ProcessRow):
         return process_text(row)
@@ -183,11 +197,13 @@ def plain_table(snapshot: Snapshot, state: ViewState | None = None) -> str:
     state's filter, sort and grouping apply.
     """
     state = state or ViewState()
-    expand_all = frozenset(container_row_key(c) for c in snapshot.containers)
+    cluster = is_cluster(snapshot)
+    # the cluster view has no processes to expand
+    expand_all = frozenset() if cluster else frozenset(container_row_key(c) for c in snapshot.containers)
     rows = build_rows(snapshot, _with_expanded(state, expand_all))
     flat = not state.group_by_gpu
-    widths = column_widths(rows, flat, None)
-    lines = [f"gpuwatch top  node {snapshot.node or '?'}  {iso_time(wall_time_s(snapshot.timestamp_s))}"]
+    widths = column_widths(rows, flat, None, cluster)
+    lines = [f"gpuwatch top  {_where(snapshot)}  {iso_time(wall_time_s(snapshot.timestamp_s))}"]
     if snapshot.simulated:
         lines.append(f"*** {SIM_BANNER}: these are simulated GPUs, not real hardware ***")
     if not snapshot.gpu_up:
@@ -199,17 +215,24 @@ def plain_table(snapshot: Snapshot, state: ViewState | None = None) -> str:
             lines.append("")
             lines.append(gpu_text(row))
             if state.group_by_gpu:
-                lines.append(header_text(flat, widths))
+                lines.append(header_text(flat, widths, cluster))
             continue
         if flat and not flat_header_done and isinstance(row, ContainerRow | MessageRow):
             lines.append("")
-            lines.append(header_text(flat, widths))
+            lines.append(header_text(flat, widths, cluster))
             flat_header_done = True
         if isinstance(row, ContainerRow):
-            lines.append(_join(_container_cells(row, flat), _columns(flat), widths))
+            lines.append(_join(_container_cells(row, flat, cluster), _columns(flat, cluster), widths))
         else:
-            lines.append(row_text(row, flat, widths))
+            lines.append(row_text(row, flat, widths, cluster))
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _where(snapshot: Snapshot) -> str:
+    """'node NAME', or 'cluster URL  nodes N' for the Prometheus view."""
+    if isinstance(snapshot, ClusterSnapshot):
+        return f"cluster {snapshot.source or '?'}  nodes {len(snapshot.nodes)}"
+    return f"node {snapshot.node or '?'}"
 
 
 def _with_expanded(state: ViewState, keys: frozenset[str]) -> ViewState:
@@ -239,6 +262,13 @@ HELP_LINES = (
     "PIDS(host/ctr) = host PID / PID inside the container.",
 )
 
+CLUSTER_HELP_LINES = (
+    "",
+    "Cluster view (--prometheus): every node's GPUs and containers as Prometheus last",
+    "scraped them; NODE = node name; the filter also matches node names; no PIDs,",
+    "temperature or power (run `gpuwatch top` on the node for those).",
+)
+
 STATUS_KEYS = "q quit  jk move  enter expand  s sort  r reverse  / filter  g group  +/- interval  h help"
 
 
@@ -247,7 +277,7 @@ def title_text(snapshot: Snapshot, state: ViewState) -> str:
     clock = "--"
     if snapshot.timestamp_s:
         clock = time.strftime("%H:%M:%S", time.localtime(wall_time_s(snapshot.timestamp_s)))
-    text = (f"gpuwatch top  node {snapshot.node or '?'}  every {state.interval_s:g}s  {clock}  "
+    text = (f"gpuwatch top  {_where(snapshot)}  every {state.interval_s:g}s  {clock}  "
             f"GPUs {len(snapshot.devices)}  containers {len(snapshot.containers)}  "
             f"sort {SORT_LABELS.get(state.sort_key.value, state.sort_key.value)} {arrow}")
     if state.filter_text and not state.filter_editing:
@@ -304,9 +334,10 @@ def screen_lines(
         status = ScreenLine(STATUS_KEYS, Style.STATUS)
 
     flat = not state.group_by_gpu
+    cluster = is_cluster(snapshot)
     if widths is None:
-        widths = column_widths(rows, flat, usable)
-    columns = ScreenLine(header_text(flat, widths), Style.COLUMNS)
+        widths = column_widths(rows, flat, usable, cluster)
+    columns = ScreenLine(header_text(flat, widths, cluster), Style.COLUMNS)
 
     # Drop notes, then the column header, before the banner/alert when space is short.
     while len(header) > 1 and len(header) + 3 > height_rows and header[-1].style is Style.NOTE:
@@ -318,7 +349,8 @@ def screen_lines(
     body_rows = max(height_rows - len(fixed) - 1, 0)
 
     if state.show_help:
-        body = [ScreenLine(text, Style.HELP) for text in HELP_LINES[:body_rows]]
+        help_lines = (*HELP_LINES, *CLUSTER_HELP_LINES) if cluster else HELP_LINES
+        body = [ScreenLine(text, Style.HELP) for text in help_lines[:body_rows]]
         new_top = top
     else:
         new_top = scroll_top(state.selected, top, body_rows, len(rows))
@@ -326,7 +358,7 @@ def screen_lines(
         for index in range(new_top, min(new_top + body_rows, len(rows))):
             row = rows[index]
             style = Style.SELECTED if index == state.selected else row_style(row)
-            body.append(ScreenLine(row_text(row, flat, widths), style))
+            body.append(ScreenLine(row_text(row, flat, widths, cluster), style))
     lines = [*fixed, *body]
     lines += [ScreenLine("", Style.ROW)] * max(height_rows - len(lines) - 1, 0)
     lines.append(status)

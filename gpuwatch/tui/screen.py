@@ -26,6 +26,7 @@ from types import FrameType
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import EMPTY_SNAPSHOT, Snapshot
 from gpuwatch.tui import render
+from gpuwatch.tui.cluster import is_cluster
 from gpuwatch.tui.render import Style
 from gpuwatch.tui.sources import SnapshotSource
 from gpuwatch.tui.state import Row, ViewState, apply_key, build_rows, reconcile, rows_key
@@ -57,7 +58,7 @@ class _RowCache:
         key = (rows_key(state), width)
         if snapshot is not self._snapshot or key != self._key:
             self._rows = build_rows(snapshot, state)
-            self._widths = render.column_widths(self._rows, not state.group_by_gpu, width - 1)
+            self._widths = render.column_widths(self._rows, not state.group_by_gpu, width - 1, is_cluster(snapshot))
             self._snapshot, self._key = snapshot, key
         return self._rows, self._widths
 

@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from gpuwatch.model import ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.tui import fmt
+from gpuwatch.tui.cluster import is_cluster, node_parts
 
 
 class SortKey(StrEnum):
@@ -46,7 +47,8 @@ class ViewState:
 
     `selected` is a row index; `selected_key` pins the selection to a row's key so it
     follows the same container across refreshes (re-sorting moves rows). `expanded` holds
-    container row keys whose processes are shown. `filter_editing` is true while the user
+    container row keys whose processes are shown, `collapsed_gpus` the keys of GPU rows
+    whose containers are folded away. `filter_editing` is true while the user
     types after `/`; `filter_before_edit` restores the old filter on Escape.
     """
 
@@ -58,7 +60,7 @@ class ViewState:
     selected: int = 0
     selected_key: str | None = None
     expanded: frozenset[str] = frozenset()
-    collapsed_gpus: frozenset[int] = frozenset()
+    collapsed_gpus: frozenset[str] = frozenset()
     group_by_gpu: bool = True
     show_help: bool = False
     interval_s: float = 1.0
@@ -79,7 +81,11 @@ class RowKind(StrEnum):
 
 @dataclass(frozen=True)
 class GpuRow:
-    """A GPU header: one per device (or per GPU index containers mention but NVML lost)."""
+    """A GPU header: one per device (or per GPU index containers mention but NVML lost).
+
+    ``node`` is set in the cluster view only (rows of all nodes in one list), as on the
+    container and process rows.
+    """
 
     key: str
     gpu_index: int
@@ -96,6 +102,7 @@ class GpuRow:
     lost: bool
     collapsed: bool
     is_mig: bool
+    node: str = ""
     kind: RowKind = RowKind.GPU
 
 
@@ -117,6 +124,7 @@ class ContainerRow:
     kernel_text: str
     probe_text: str
     expanded: bool
+    node: str = ""
     kind: RowKind = RowKind.CONTAINER
 
 
@@ -132,6 +140,7 @@ class ProcessRow:
     comm: str
     memory_text: str
     sm_text: str
+    node: str = ""
     kind: RowKind = RowKind.PROCESS
 
 
@@ -161,8 +170,15 @@ def container_labels(usage: ContainerUsage) -> tuple[str, str, str]:
     return "-", "-", f"({ident.runtime or 'unknown'}) {ident.cgroup_path or '/'}"
 
 
-def container_row_key(usage: ContainerUsage) -> str:
+def container_row_key(usage: ContainerUsage, node: str = "") -> str:
+    """The row key of a container on a GPU (`node` in the cluster view, where indices repeat)."""
+    if node:
+        return f"c:{node}:{usage.gpu_index}:{usage.identity.key}"
     return f"c:{usage.gpu_index}:{usage.identity.key}"
+
+
+def gpu_row_key(gpu_index: int, node: str = "") -> str:
+    return f"g:{node}:{gpu_index}" if node else f"g:{gpu_index}"
 
 
 def matches_filter(usage: ContainerUsage, text: str) -> bool:
@@ -174,6 +190,11 @@ def matches_filter(usage: ContainerUsage, text: str) -> bool:
     haystack = (ident.pod_namespace, ident.pod_name, ident.container_name, ident.container_id,
                 ident.cgroup_path, ident.runtime, " ".join(container_labels(usage)))
     return any(needle in field.casefold() for field in haystack)
+
+
+def _entry_matches(node: str, usage: ContainerUsage, text: str) -> bool:
+    """`matches_filter`, and in the cluster view the node name too."""
+    return matches_filter(usage, text) or (bool(node) and text.strip().casefold() in node.casefold())
 
 
 def filter_snapshot(snapshot: Snapshot, text: str) -> Snapshot:
@@ -201,14 +222,23 @@ def _name_key(usage: ContainerUsage) -> tuple[str, str, str, str]:
 
 def sort_containers(containers: list[ContainerUsage], state: ViewState) -> list[ContainerUsage]:
     """Sort by the state's key and direction; ties break by name then GPU (deterministic)."""
+    return [usage for _, usage in _sort_entries([("", c) for c in containers], state)]
+
+
+Entry = tuple[str, ContainerUsage]  # (node name, "" in the local view; a container on one GPU)
+
+
+def _sort_entries(entries: list[Entry], state: ViewState) -> list[Entry]:
+    """`sort_containers` over (node, container): ties break by name, node, GPU; the GPU
+    key sorts by node, then GPU index."""
     # First a stable tie-break order, then a stable sort by the primary key.
-    ordered = sorted(containers, key=lambda c: (_name_key(c), c.gpu_index))
+    ordered = sorted(entries, key=lambda e: (_name_key(e[1]), e[0], e[1].gpu_index))
     key = state.sort_key
     if key is SortKey.NAME:
-        return sorted(ordered, key=_name_key, reverse=state.descending)
+        return sorted(ordered, key=lambda e: _name_key(e[1]), reverse=state.descending)
     if key is SortKey.GPU:
-        return sorted(ordered, key=lambda c: c.gpu_index, reverse=state.descending)
-    return sorted(ordered, key=lambda c: _numeric_sort_value(c, key), reverse=state.descending)
+        return sorted(ordered, key=lambda e: (e[0], e[1].gpu_index), reverse=state.descending)
+    return sorted(ordered, key=lambda e: _numeric_sort_value(e[1], key), reverse=state.descending)
 
 
 def _numeric_sort_value(usage: ContainerUsage, key: SortKey) -> int | float:
@@ -242,29 +272,31 @@ def probe_text(usage: ContainerUsage) -> str:
     return " ".join(parts)
 
 
-def _gpu_row(device: DeviceInfo | None, gpu_index: int, containers: int, collapsed: bool) -> GpuRow:
+def _gpu_row(device: DeviceInfo | None, gpu_index: int, containers: int, collapsed: bool,
+             node: str = "") -> GpuRow:
+    key = gpu_row_key(gpu_index, node)
     if device is None:  # containers still name a GPU that the backend no longer reports
-        return GpuRow(key=f"g:{gpu_index}", gpu_index=gpu_index, name="(GPU not reported: lost?)",
+        return GpuRow(key=key, gpu_index=gpu_index, name="(GPU not reported: lost?)",
                       uuid="", memory_text=fmt.NA, memory_bar=fmt.bar_text(None, MEMORY_BAR_CELLS),
                       memory_ratio=None, util_text=fmt.NA, temp_text=fmt.NA, power_text=fmt.NA,
                       containers=containers, healthy=False, lost=True, collapsed=collapsed,
-                      is_mig=False)
+                      is_mig=False, node=node)
     ratio = fmt.memory_ratio(device.memory_used_bytes, device.memory_total_bytes)
     memory_text = (f"{fmt.bytes_text(device.memory_used_bytes)} / "
                    f"{fmt.bytes_text(device.memory_total_bytes)}")
     return GpuRow(
-        key=f"g:{gpu_index}", gpu_index=gpu_index, name=device.name, uuid=device.uuid,
+        key=key, gpu_index=gpu_index, name=device.name, uuid=device.uuid,
         memory_text=memory_text, memory_bar=fmt.bar_text(ratio, MEMORY_BAR_CELLS),
         memory_ratio=ratio, util_text=fmt.ratio_percent_text(device.utilization_gpu_ratio),
         temp_text=fmt.celsius_text(device.temperature_celsius),
         power_text=fmt.power_text(device.power_watts, device.power_limit_watts),
         containers=containers, healthy=device.healthy, lost=not device.healthy,
-        collapsed=collapsed, is_mig=device.is_mig,
+        collapsed=collapsed, is_mig=device.is_mig, node=node,
     )
 
 
-def _container_rows(usage: ContainerUsage, state: ViewState) -> list[Row]:
-    key = container_row_key(usage)
+def _container_rows(usage: ContainerUsage, state: ViewState, node: str = "") -> list[Row]:
+    key = container_row_key(usage, node)
     ns, pod, name = container_labels(usage)
     expanded = key in state.expanded
     rows: list[Row] = [ContainerRow(
@@ -274,10 +306,10 @@ def _container_rows(usage: ContainerUsage, state: ViewState) -> list[Row]:
         memory_text=fmt.bytes_text(usage.memory_bytes),
         sm_text=fmt.ratio_percent_text(usage.sm_utilization_ratio),
         kernel_text=fmt.seconds_text(usage.kernel_seconds_total),
-        probe_text=probe_text(usage), expanded=expanded,
+        probe_text=probe_text(usage), expanded=expanded, node=node,
     )]
     if expanded:
-        if not usage.processes:
+        if not usage.processes and not node:  # the cluster view has no per-process data at all
             rows.append(MessageRow(key=f"{key}:none", text="no processes right now"))
         for proc in sorted(usage.processes, key=lambda p: (-(p.memory_bytes or 0), p.pid)):
             rows.append(ProcessRow(
@@ -285,38 +317,51 @@ def _container_rows(usage: ContainerUsage, state: ViewState) -> list[Row]:
                 pid_text=str(proc.pid),
                 container_pid_text=str(proc.container_pid) if proc.container_pid is not None else "-",
                 comm=proc.comm or "?", memory_text=fmt.bytes_text(proc.memory_bytes),
-                sm_text=fmt.ratio_percent_text(proc.sm_utilization_ratio),
+                sm_text=fmt.ratio_percent_text(proc.sm_utilization_ratio), node=node,
             ))
     return rows
 
 
 def build_rows(snapshot: Snapshot, state: ViewState) -> list[Row]:
-    """The body rows for `snapshot` under `state` (filter, sort, grouping, expansion)."""
-    devices = {d.index: d for d in snapshot.devices}
-    visible = sort_containers([c for c in snapshot.containers if matches_filter(c, state.filter_text)],
-                              state)
-    gpu_indices = sorted(set(devices) | {c.gpu_index for c in snapshot.containers})
+    """The body rows for `snapshot` under `state` (filter, sort, grouping, expansion).
+
+    A cluster snapshot (`gpuwatch top --prometheus`) gives one GPU section per node and
+    GPU, nodes in name order; sorting and the flat list span every node.
+    """
+    parts = node_parts(snapshot)
+    devices = {(node, d.index): d for node, part in parts for d in part.devices}
+    entries: list[Entry] = [(node, c) for node, part in parts for c in part.containers]
+    visible = _sort_entries([e for e in entries if _entry_matches(e[0], e[1], state.filter_text)], state)
+    gpu_keys = sorted(set(devices) | {(node, c.gpu_index) for node, c in entries})
     rows: list[Row] = []
-    if not gpu_indices:
-        text = "no GPUs found" if snapshot.gpu_up else "no GPU data (NVML is down)"
+    if not gpu_keys:
+        if is_cluster(snapshot):
+            text = "no GPUs in Prometheus for this view"
+        else:
+            text = "no GPUs found" if snapshot.gpu_up else "no GPU data (NVML is down)"
         return [MessageRow(key="m:nogpu", text=text)]
-    per_gpu = {i: [c for c in visible if c.gpu_index == i] for i in gpu_indices}
-    for index in gpu_indices:
-        collapsed = state.group_by_gpu and index in state.collapsed_gpus
-        rows.append(_gpu_row(devices.get(index), index, len(per_gpu[index]), collapsed))
+    per_gpu: dict[tuple[str, int], list[ContainerUsage]] = {key: [] for key in gpu_keys}
+    for node, usage in visible:
+        per_gpu[(node, usage.gpu_index)].append(usage)
+    for node, index in gpu_keys:
+        containers = per_gpu[(node, index)]
+        collapsed = state.group_by_gpu and gpu_row_key(index, node) in state.collapsed_gpus
+        rows.append(_gpu_row(devices.get((node, index)), index, len(containers), collapsed, node))
         if not state.group_by_gpu or collapsed:
             continue
-        if not per_gpu[index]:
-            text = "no matching containers" if state.filter_text.strip() else "no processes on this GPU"
-            rows.append(MessageRow(key=f"m:empty:{index}", text=text))
-        for usage in per_gpu[index]:
-            rows.extend(_container_rows(usage, state))
+        if not containers:
+            idle = "no containers on this GPU" if node else "no processes on this GPU"
+            text = "no matching containers" if state.filter_text.strip() else idle
+            suffix = f":{node}" if node else ""
+            rows.append(MessageRow(key=f"m:empty{suffix}:{index}", text=text))
+        for usage in containers:
+            rows.extend(_container_rows(usage, state, node))
     if not state.group_by_gpu:
         if not visible:
             text = "no matching containers" if state.filter_text.strip() else "no GPU processes"
             rows.append(MessageRow(key="m:empty", text=text))
-        for usage in visible:
-            rows.extend(_container_rows(usage, state))
+        for node, usage in visible:
+            rows.extend(_container_rows(usage, state, node))
     return rows
 
 
@@ -371,7 +416,7 @@ def _toggle_expand(state: ViewState, rows: list[Row]) -> ViewState:
         return dataclasses.replace(state, expanded=state.expanded - {row.container_key},
                                    selected_key=row.container_key)
     if isinstance(row, GpuRow) and state.group_by_gpu:
-        return dataclasses.replace(state, collapsed_gpus=state.collapsed_gpus ^ {row.gpu_index})
+        return dataclasses.replace(state, collapsed_gpus=state.collapsed_gpus ^ {row.key})
     return state
 
 

@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -59,8 +60,9 @@ class FakePrometheus:
             return sum(1 for r in self.requests if r["form"].get("query") == query)
 
 
-@pytest.fixture
-def prom() -> Iterator[FakePrometheus]:
+@contextmanager
+def fake_prometheus() -> Iterator[FakePrometheus]:
+    """A FakePrometheus serving on 127.0.0.1 (base URL with a /prom route prefix)."""
     fake = FakePrometheus()
 
     class Handler(BaseHTTPRequestHandler):
@@ -101,6 +103,12 @@ def prom() -> Iterator[FakePrometheus]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@pytest.fixture
+def prom() -> Iterator[FakePrometheus]:
+    with fake_prometheus() as fake:
+        yield fake
 
 
 class FakeClock:
