@@ -189,3 +189,42 @@ def test_extender_over_three_simulated_nodes(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, result
             time.sleep(0.2)
         assert "no gpuwatch data" in result["Error"] or "old (bound 2 s)" in result["Error"], result
+
+
+@pytest.mark.slow
+def test_namespace_quota_from_the_agents_policy(tmp_path: Path) -> None:
+    """The policy's namespace quota, exported by the agent, stops a pod that would exceed it."""
+    need_root()
+    need_binary("runc", "runc")
+    prometheus = need_binary("prometheus", "prometheus")
+    from tests.system.test_agent import agent_argv, pods
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nrules:\n  - name: observe\n    match: {default: true}\n"
+                      "    limits: {gpu_memory: 100%}\n    actions:\n      - {do: alert, at: 100%}\n"
+                      "namespace_quotas:\n  - namespace: ml-team\n    limits: {gpu_memory: 32GiB}\n"
+                      "    actions:\n      - {do: alert, at: 100%}\n")
+    port = free_port()
+    with private_node(tmp_path / "node", devices=2) as sim:
+        argv = agent_argv(sim, tmp_path / "node", port, tmp_path, f"--policy={policy}", "--no-probes",
+                          "--no-network", f"--kmsg={sim.kmsg_path}")
+        with running_agent(argv, {**os.environ, "GPUWATCH_SIM_STATE": str(sim.state_path)}, tmp_path / "agent.log",
+                           port), pods(tmp_path / "node", sim), \
+                run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], binary=prometheus,
+                               interval_s=SCRAPE_S) as prom:
+            # the demo pods: ml-team holds 20 + 8 GiB, inference 12 GiB
+            assert prom.wait_for('sum(gpuwatch_namespace_memory_bytes{namespace="ml-team"}) >= 28 * 2^30', 30)
+            assert prom.wait_for('gpuwatch_namespace_gpu_memory_quota_bytes{namespace="ml-team"}', 30)
+            with extender(prom.base_url, tmp_path) as client:
+                names = ["sim-node"]
+                over = client.call("filter", _pod("over", {"gpuwatch.io/gpu-memory": "8Gi"}, namespace="ml-team"),
+                                   names)[1]
+                assert over["NodeNames"] == []
+                assert over["FailedNodes"]["sim-node"] == ("namespace ml-team at 28 GiB/32 GiB quota "
+                                                           "(the pod asks 8 GiB more)")
+                within = client.call("filter", _pod("within", {"gpuwatch.io/gpu-memory": "4Gi"},
+                                                    namespace="ml-team"), names)[1]
+                assert within["NodeNames"] == names
+                other = client.call("filter", _pod("other", {"gpuwatch.io/gpu-memory": "8Gi"},
+                                                   namespace="inference"), names)[1]
+                assert other["NodeNames"] == names
