@@ -1,0 +1,136 @@
+"""`gpuwatch top --prometheus` over a real Prometheus scraping two simulated nodes' agents.
+
+Two simulated GPU nodes with their own names, an agent on each (`--node=sim-east`,
+`--node=sim-west`, own ports, `--no-probes`), the demo pods in runc on the east node and
+one more pod on the west node, and Prometheus scraping both agents -- the east agent
+twice, under two addresses, as two scrape jobs or an HA pair would: the cluster view must
+not double count. What `top --prometheus --once` and `--json` print is compared with the
+workloads' exact allocations (the sim ledger) and with the agents' own /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.sim import demo
+from gpuwatch.sim.runc import ContainerLab
+from tests.conftest import need_binary, need_root
+from tests.system.promstack import Prometheus, free_port, run_prometheus
+from tests.system.sim_helpers import private_node
+from tests.system.test_agent import running_agent, sample, scrape, wait_until
+
+MIB = 1 << 20
+WEST_WORKLOADS = (demo.DemoWorkload("batch", "etl-0", "etl", gpu=1, memory_mib=4096, duty=0.1),)
+NODES = {"sim-east": demo.DEFAULT_WORKLOADS, "sim-west": WEST_WORKLOADS}
+
+
+@dataclass
+class Cluster:
+    prometheus: Prometheus
+    ports: dict[str, int]
+
+
+def _agent_argv(name: str, sim: Any, lab_base: Path, port: int, tmp: Path) -> list[str]:
+    dirs = demo.default_lab_dirs(lab_base)
+    return [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={name}",
+            "--interval=0.5", f"--nvml-library={sim.libraries.nvml_path}", "--no-probes", "--kmsg=none",
+            f"--containerd-root={dirs['bundle_root']}", f"--runc-root={dirs['runc_root']}",
+            f"--audit-log={tmp / f'{name}-audit.jsonl'}", f"--state-file={tmp / f'{name}-frozen.json'}"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    need_root()
+    need_binary("runc", "runc")
+    need_binary("prometheus", "prometheus")
+    with ExitStack() as stack:
+        ports: dict[str, int] = {}
+        for name, workloads in NODES.items():
+            base = tmp_path / name
+            sim = stack.enter_context(private_node(base, devices=2))
+            lab = stack.enter_context(ContainerLab(**demo.default_lab_dirs(base)))
+            demo.start_workloads(lab, sim, workloads)
+            ports[name] = free_port()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(sim.state_path)}
+            stack.enter_context(running_agent(_agent_argv(name, sim, base, ports[name], tmp_path), env,
+                                              tmp_path / f"{name}-agent.log", ports[name]))
+        east, west = ports["sim-east"], ports["sim-west"]
+        prom = stack.enter_context(run_prometheus(
+            tmp_path / "prom", [f"127.0.0.1:{east}", f"localhost:{east}", f"127.0.0.1:{west}"], interval_s=0.5))
+        # every pod is in Prometheus, the east ones twice (two targets: duplicate series)
+        wait_until(lambda: len(prom.query('gpuwatch_container_memory_bytes{pod="trainer-0"}')) == 2, 40,
+                   "the east agent scraped under both addresses")
+        wait_until(lambda: len(prom.query("gpuwatch_container_memory_bytes")) == 2 * 3 + 1, 40,
+                   "every pod's memory series in Prometheus")
+        wait_until(lambda: len(prom.query("count by (node) (rate(gpuwatch_node_network_receive_bytes_total[1m]))"))
+                   == 2, 20, "two samples of every node's NIC counters (for rate)")
+        yield Cluster(prom, ports)
+
+
+def top(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "gpuwatch", "top", "--prometheus", cluster.prometheus.base_url, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_top_prometheus_lists_both_nodes_pods_with_their_memory(cluster: Cluster) -> None:
+    result = top(cluster, "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["format"] == "gpuwatch.cluster/1"
+    nodes = {n["name"]: n for n in doc["nodes"]}
+    assert set(nodes) == set(NODES)
+    for name, workloads in NODES.items():
+        node = nodes[name]
+        assert node["simulated"] and node["backend_up"]
+        assert node["age_s"] is not None and 0 <= node["age_s"] < 30
+        assert node["network_throughput_bytes"] is not None  # rate() over the agents' NIC counters
+        assert [g["index"] for g in node["gpus"]] == [0, 1] and all(g["healthy"] for g in node["gpus"])
+        metrics = scrape(cluster.ports[name])
+        got = {(c["namespace"], c["pod"], c["container"], c["gpu"]): c["memory_bytes"] for c in node["containers"]}
+        assert got == {(w.namespace, w.pod, w.container, w.gpu): w.memory_mib * MIB for w in workloads}, got
+        for c in node["containers"]:  # the agent's own numbers, not double even where scraped twice
+            assert c["memory_bytes"] == sample(metrics, "gpuwatch_container_memory_bytes", pod=c["pod"])
+            assert c["container_id"] and c["pod_uid"]
+            assert c["kernel_seconds_total"] is not None and c["sm_utilization_ratio"] is not None
+        for g in node["gpus"]:
+            on_gpu = sum(w.memory_mib * MIB for w in workloads if w.gpu == g["index"])
+            assert g["tenants"] == sum(1 for w in workloads if w.gpu == g["index"])
+            assert g["memory_used_bytes"] == sample(metrics, "gpuwatch_gpu_memory_used_bytes", gpu=str(g["index"]))
+            assert g["memory_used_bytes"] >= on_gpu and g["memory_total_bytes"] > 0
+    namespaces = {n["namespace"]: n["memory_bytes"] for n in doc["namespaces"]}
+    assert namespaces["ml-team"] == (20480 + 8192) * MIB  # east scraped twice, counted once
+    assert namespaces["inference"] == 12288 * MIB and namespaces["batch"] == 4096 * MIB
+
+
+def test_top_prometheus_once_table_and_filters(cluster: Cluster) -> None:
+    result = top(cluster, "--once")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"cluster {cluster.prometheus.base_url}  nodes 2" in lines[0]
+    assert "SIMULATED GPU NODE" in result.stdout
+    for name in NODES:
+        assert any(line.startswith(f"{name}  GPU 0  ") for line in lines)
+        assert any(line.startswith(f"{name}  GPU 1  ") for line in lines)
+    rows = {line.split()[2]: line.split() for line in lines if line.startswith("  sim-")}
+    assert rows["trainer-0"][:4] == ["sim-east", "ml-team", "trainer-0", "trainer"]
+    assert rows["trainer-0"][4:6] == ["20.0", "GiB"]
+    assert rows["etl-0"][:6] == ["sim-west", "batch", "etl-0", "etl", "4.0", "GiB"]
+    assert len(rows) == 4
+
+    west = json.loads(top(cluster, "--json", "--node", "sim-west").stdout)
+    assert [n["name"] for n in west["nodes"]] == ["sim-west"]
+    ml = top(cluster, "--once", "--flat", "--namespace", "ml-team", "--sort", "name")
+    assert [line.split()[2] for line in ml.stdout.splitlines() if line.startswith("  sim-")] == [
+        "notebook-1", "trainer-0"]
+    missing = top(cluster, "--once", "--node", "sim-north")
+    assert missing.returncode == 1 and "no gpuwatch data for node 'sim-north'" in missing.stderr
