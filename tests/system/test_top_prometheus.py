@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from tests.conftest import need_binary, need_root
 from tests.system.promstack import Prometheus, free_port, run_prometheus
 from tests.system.sim_helpers import private_node
 from tests.system.test_agent import running_agent, sample, scrape, wait_until
+from tests.system.test_top_screen import EXIT_MARK, Pane, assert_restored, line_index, pane, tmux  # noqa: F401
 
 MIB = 1 << 20
 WEST_WORKLOADS = (demo.DemoWorkload("batch", "etl-0", "etl", gpu=1, memory_mib=4096, duty=0.1),)
@@ -48,8 +50,10 @@ def _agent_argv(name: str, sim: Any, lab_base: Path, port: int, tmp: Path) -> li
             f"--audit-log={tmp / f'{name}-audit.jsonl'}", f"--state-file={tmp / f'{name}-frozen.json'}"]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Two nodes, their agents and Prometheus, shared by this module's tests (read-only)."""
+    tmp_path = tmp_path_factory.mktemp("cluster")
     need_root()
     need_binary("runc", "runc")
     need_binary("prometheus", "prometheus")
@@ -134,3 +138,28 @@ def test_top_prometheus_once_table_and_filters(cluster: Cluster) -> None:
         "notebook-1", "trainer-0"]
     missing = top(cluster, "--once", "--node", "sim-north")
     assert missing.returncode == 1 and "no gpuwatch data for node 'sim-north'" in missing.stderr
+
+
+def test_live_cluster_screen(cluster: Cluster, pane: Pane) -> None:  # noqa: F811 (pytest fixture)
+    argv = [sys.executable, "-m", "gpuwatch", "top", "--prometheus", cluster.prometheus.base_url, "-d", "0.5"]
+    modes = "stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ' '"
+    pane.start(f"{shlex.join(argv)}; echo {EXIT_MARK}$?; echo MODES: $({modes}); sleep 120", width=140)
+    screen = pane.wait_text("sim-west  GPU 1")
+    assert "nodes 2" in screen and "containers 4" in screen
+    assert line_index(screen, "sim-east  GPU 0") < line_index(screen, "trainer-0") < line_index(
+        screen, "sim-east  GPU 1") < line_index(screen, "sim-west  GPU 0") < line_index(screen, "etl-0")
+
+    pane.keys("g")  # one flat list over both nodes, biggest memory first
+    screen = pane.wait_text("flat")
+    header = screen.splitlines()[line_index(screen, "NAMESPACE")].split()
+    assert header[:5] == ["NODE", "NAMESPACE", "POD", "CONTAINER", "GPU"]
+    order = [line_index(screen, pod) for pod in ("trainer-0", "server-0", "notebook-1", "etl-0")]
+    assert order == sorted(order)
+
+    pane.keys("/", "west", "Enter")
+    screen = pane.wait_text("filter 'west'")
+    assert "etl-0" in screen and "trainer-0" not in screen
+
+    pane.keys("q")
+    pane.wait_text(EXIT_MARK)
+    assert_restored(pane.wait_text("MODES:"), 0)
