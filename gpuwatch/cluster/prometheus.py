@@ -167,7 +167,7 @@ class PrometheusReader:
                 return dict(last.results)
             started = time.monotonic()
             try:
-                results = self._run(dict(key))
+                results = self._run(dict(queries))
             except PrometheusError as err:
                 self._last = _Outcome(key, self._clock(), error=err)
                 raise
@@ -178,8 +178,8 @@ class PrometheusReader:
             return dict(results)
 
     def query(self, promql: str) -> list[Sample]:
-        """One instant query, uncached."""
-        return self._query_one("query", promql)
+        """One instant query, uncached (errors name the query by its first 60 characters)."""
+        return self._query_one(repr(promql[:60]), promql)
 
     def close(self) -> None:
         """Release the worker threads and the pooled connections. Idempotent."""
