@@ -45,6 +45,7 @@ class AgentConfig:
     ignored_xids: frozenset[int] | None = None  # None: signals.health.DEFAULT_IGNORED_XIDS
     nvml_error_sweeps: int = 3
     network: bool = True  # node NICs, RDMA ports, containers' network bytes
+    network_exclude: str | None = None  # NIC name regex left out; None: DEFAULT_NIC_EXCLUDE
 
 
 def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
@@ -71,7 +72,7 @@ def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
 
 def _build_signals(config: AgentConfig) -> Any:
     """The per-cycle node signals: health, kernel-log Xids, topology, network."""
-    from gpuwatch.signals.collector import SignalCollector
+    from gpuwatch.signals.collector import DEFAULT_NIC_EXCLUDE, SignalCollector
     from gpuwatch.signals.health import DEFAULT_IGNORED_XIDS, HealthTracker
     from gpuwatch.signals.kmsg import KmsgReader
 
@@ -85,7 +86,8 @@ def _build_signals(config: AgentConfig) -> Any:
         from gpuwatch.signals.network import NetworkReader
 
         network = NetworkReader(proc_root=config.proc_root)
-    return SignalCollector(health=health, kmsg=kmsg, network=network)
+    exclude = config.network_exclude if config.network_exclude is not None else DEFAULT_NIC_EXCLUDE
+    return SignalCollector(health=health, kmsg=kmsg, network=network, nic_exclude=exclude)
 
 
 class _NfdFeatures:

@@ -20,6 +20,19 @@ from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 log = logging.getLogger("gpuwatch.agent")
 
 
+def _regex(text: str | None) -> str | None:
+    if text is None:
+        return None
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise click.BadParameter(f"{text!r} is not a regular expression: {err}",
+                                 param_hint="--network-exclude") from err
+    return text
+
+
 def _xid_list(text: str) -> frozenset[int]:
     try:
         return frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
@@ -71,6 +84,9 @@ def _xid_list(text: str) -> frozenset[int]:
               help="Sweeps in a row NVML may fail to read a GPU before it is reported unhealthy.")
 @click.option("--network/--no-network", default=True, show_default=True,
               help="Read the node's NICs, RDMA ports and the network bytes of containers that use a GPU.")
+@click.option("--network-exclude", default=None, metavar="REGEX",
+              help="NIC names left out of the node's network metrics (full match). Default: lo, pods' veths "
+                   "and CNI devices, bridges, tunnels, ifb. '' keeps every NIC.")
 @runtime_root_options
 @click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
 def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
@@ -78,7 +94,7 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
           policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
           webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str,
           kmsg_path: str, nfd_features_file: str | None, health_ignore_xids: str | None,
-          health_nvml_error_sweeps: int, network: bool,
+          health_nvml_error_sweeps: int, network: bool, network_exclude: str | None,
           containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...],
           verbose: int) -> None:
     """Run the node agent until SIGTERM/SIGINT.
@@ -105,7 +121,7 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
         kmsg_path=None if kmsg_path.strip().lower() in ("", "none", "off") else kmsg_path,
         nfd_features_file=nfd_features_file,
         ignored_xids=_xid_list(health_ignore_xids) if health_ignore_xids is not None else None,
-        nvml_error_sweeps=health_nvml_error_sweeps, network=network,
+        nvml_error_sweeps=health_nvml_error_sweeps, network=network, network_exclude=_regex(network_exclude),
         bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
     )
     stop = threading.Event()

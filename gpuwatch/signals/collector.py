@@ -8,8 +8,9 @@ source reads /proc or NVML a second time. Per cycle:
   identities, or the last cycle's (the process an Xid killed is often gone already), or a
   fresh lookup; Xids whose process cannot be found are counted as unattributed;
 * the health tracker turns the devices plus the kernel-log Xids into verdicts;
-* the network reader reads the node's NICs, RDMA ports and the network namespaces of the
-  containers that use a GPU (one pid each).
+* the network reader reads the node's NICs (without pods' veths, bridges and tunnels:
+  `nic_exclude`), RDMA ports and the network namespaces of the containers that use a GPU
+  (one pid each).
 Per-container Xid counters are kept while their container is seen and for
 `xid_retention_s` after, at most `max_xid_series` of them (oldest dropped first).
 """
@@ -17,6 +18,7 @@ Per-container Xid counters are kept while their container is seen and for
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,18 +63,26 @@ class _XidCount:
     seen_s: float  # last time its container was seen or an Xid counted
 
 
+# Interfaces that are not the node's own links: pods' veth ends and CNI plumbing (a
+# hostNetwork agent sees one per pod), bridges, tunnels, the IFB devices of traffic shaping.
+DEFAULT_NIC_EXCLUDE = r"^(lo|veth.*|cali.*|cilium_.*|lxc.*|flannel.*|cni.*|docker.*|br-.*|virbr.*|vxlan.*|tunl.*|"\
+                      r"kube-.*|nodelocaldns|weave.*|genev.*|ifb.*|gre.*|gretap.*|erspan.*|sit.*|ip6tnl.*)$"
+
+
 class SignalCollector:
     """Health, Xid attribution, topology and network for one node, once per interval."""
 
     def __init__(self, health: HealthTracker | None = None, kmsg: KmsgReader | None = None,
                  network: NetworkSource | None = None, *, xid_retention_s: float = 3600.0,
-                 max_xid_series: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_xid_series: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 nic_exclude: str | None = DEFAULT_NIC_EXCLUDE) -> None:
         self.health = health or HealthTracker()
         self.kmsg = kmsg
         self.network = network
         self._xid_retention_s = xid_retention_s
         self._max_xid_series = max_xid_series
         self._clock = clock
+        self._nic_exclude = re.compile(nic_exclude) if nic_exclude else None
         self._xids: dict[tuple[str, int, int], _XidCount] = {}  # (container key, gpu index, xid)
         self._previous_identities: Mapping[int, ProcessIdentity] = {}
         self._topology: GpuTopology | None = None
@@ -103,6 +113,8 @@ class SignalCollector:
         networks: tuple[ContainerNetwork, ...] = ()
         if self.network is not None:
             nics = self.network.read_nics()
+            if self._nic_exclude is not None:
+                nics = tuple(nic for nic in nics if not self._nic_exclude.match(nic.device))
             rdma = self.network.read_rdma()
             networks = self.network.read_containers(_network_targets(containers))
         return NodeSignals(
