@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -96,6 +97,40 @@ def cluster_queries(node: str | None = None, *, containers: bool = True) -> dict
 
 CLUSTER_QUERIES: dict[str, str] = cluster_queries()
 """Every node, containers included: the batch `gpuwatch top --prometheus` runs."""
+
+
+def placement_queries() -> dict[str, str]:
+    """The smaller batch a placement decision needs (the extender's, per scheduling cycle).
+
+    Only what filter and prioritize read, shaped to ship as few series as possible at
+    1,000 nodes: GPU size and free memory and health (one series per GPU each; health
+    without uuid/model labels), tenants and exclusive holders only where there are any,
+    node freshness, network and namespace totals. No per-container series (the bulk of
+    the data; see `pods_queries`) and no pair scores (static: `topology_queries`).
+    """
+    full = cluster_queries(containers=False)
+    keep = ("gpu_memory_total", "gpu_memory_free", "backend_up", "last_scrape", "network_speed",
+            "network_throughput", "rdma", "namespace_memory", "namespace_quota")
+    queries = {name: full[name] for name in keep}
+    queries["gpu_healthy"] = f"max by (node, gpu, reason, xid) (gpuwatch_gpu_healthy{{{PHYSICAL}}})"
+    queries["gpu_tenants"] = f"max by (node, gpu) (gpuwatch_gpu_tenants{{{PHYSICAL}}}) > 0"
+    queries["gpu_exclusive"] = f"max by (node, gpu) (gpuwatch_gpu_exclusive{{{PHYSICAL}}}) > 0"
+    return queries
+
+
+def topology_queries() -> dict[str, str]:
+    """Pair scores: n*(n-1) series per node that change only with the hardware."""
+    return {"pair_score": cluster_queries(containers=False)["pair_score"]}
+
+
+def pods_queries(pod_uids: Iterable[str]) -> dict[str, str]:
+    """Container memory series of these pods only (to see that pods placed moments ago arrived)."""
+    uids = sorted({u for u in pod_uids if u})
+    if not uids:
+        return {}
+    pattern = "|".join(re.escape(u) for u in uids)
+    return {"container_memory": f"max by ({CONTAINER_BY}) "
+                                f"(gpuwatch_container_memory_bytes{{pod_uid=~{json.dumps(pattern)}}})"}
 
 SampleLike = Sequence[Any]  # (labels dict, value float, timestamp float): prometheus.Sample or a plain tuple
 ResultsLike = Mapping[str, Iterable[SampleLike]]

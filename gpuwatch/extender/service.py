@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from gpuwatch.cluster.model import ClusterState
@@ -32,9 +32,10 @@ MAX_NODES = 20_000
 
 
 class ClusterSource(Protocol):
-    """Where the cluster view comes from (gpuwatch.cluster over Prometheus in production)."""
+    """Where the cluster view comes from (gpuwatch.cluster.source over Prometheus in production).
+    `pod_uids`: pods with promised memory, whose arrival the view should show."""
 
-    def state(self) -> ClusterState: ...
+    def state(self, pod_uids: Collection[str] = ()) -> ClusterState: ...
 
 
 class StaleData(GpuwatchError):
@@ -149,7 +150,7 @@ class Extender:
     # ---- internals ----------------------------------------------------------------------
 
     def _fresh_state(self) -> ClusterState:
-        state = self._source.state()
+        state = self._source.state([p.pod_uid for p in self.promises.current()])
         self.promises.settle(state)
         if not state.nodes:
             raise StaleData("Prometheus has no gpuwatch data",

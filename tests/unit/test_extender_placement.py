@@ -40,7 +40,7 @@ class Static:
     def __init__(self, state: ClusterState) -> None:
         self.value = state
 
-    def state(self) -> ClusterState:
+    def state(self, pod_uids: object = ()) -> ClusterState:
         return self.value
 
 

@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "extender"
 
 
 class Down:
-    def state(self) -> ClusterState:
+    def state(self, pod_uids: object = ()) -> ClusterState:
         raise GpuwatchError("Prometheus at http://127.0.0.1:1 unreachable", fix="start it")
 
 
