@@ -85,7 +85,8 @@ def _build_signals(config: AgentConfig) -> Any:
     if config.network:
         from gpuwatch.signals.network import NetworkReader
 
-        network = NetworkReader(proc_root=config.proc_root)
+        # 8 pod namespaces per interval (round-robin): 200 pods are all refreshed every 25 s
+        network = NetworkReader(proc_root=config.proc_root, max_netns_per_cycle=8)
     exclude = config.network_exclude if config.network_exclude is not None else DEFAULT_NIC_EXCLUDE
     return SignalCollector(health=health, kmsg=kmsg, network=network, nic_exclude=exclude)
 
