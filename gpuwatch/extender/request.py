@@ -6,7 +6,7 @@ A pod asks through:
   their max): whole GPUs, the device plugin's resource;
 * annotation `gpuwatch.io/gpu-memory: 8Gi`: GPU memory per GPU, a Kubernetes quantity
   (8Gi, 8G, 8589934592, 1.5Gi);
-* annotation `gpuwatch.io/gpu-share: "0.5"`: a time share of one GPU, in (0, 1];
+* annotation `gpuwatch.io/gpu-share: "0.5"` (or "50%"): a time share of one GPU, in (0, 1];
 * annotation `gpuwatch.io/sharing: exclusive|shared|auto`: exclusive = GPUs nobody else
   uses; shared = may co-locate; auto = the extender picks (see placement.py);
 * annotation `gpuwatch.io/remote-gpu: "true"`: the pod uses GPUs over the network
@@ -28,11 +28,12 @@ from enum import StrEnum
 from typing import Any
 
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.policy.sharing import GPU_SHARE_ANNOTATION, SHARING_ANNOTATION, parse_gpu_share, parse_sharing_mode
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ANN_MEMORY = "gpuwatch.io/gpu-memory"
-ANN_SHARE = "gpuwatch.io/gpu-share"
-ANN_SHARING = "gpuwatch.io/sharing"
+ANN_SHARE = GPU_SHARE_ANNOTATION  # the node reads the same annotations (policy/sharing.py)
+ANN_SHARING = SHARING_ANNOTATION
 ANN_REMOTE = "gpuwatch.io/remote-gpu"
 MAX_GPUS = 64
 
@@ -154,11 +155,11 @@ def parse_pod(pod: Any) -> GpuRequest:
     if sharing_text is None:
         sharing = Sharing.SHARED if (memory is not None or share is not None) else Sharing.EXCLUSIVE
     else:
-        try:
-            sharing = Sharing(str(sharing_text).strip().lower())
-        except ValueError as err:
+        mode = parse_sharing_mode(str(sharing_text))
+        if mode is None:
             raise BadRequest(f"annotation {ANN_SHARING}: {sharing_text!r} is not one of exclusive, shared, auto",
-                             fix=f"set {ANN_SHARING} to exclusive, shared or auto") from err
+                             fix=f"set {ANN_SHARING} to exclusive, shared or auto")
+        sharing = Sharing(mode)
     if gpus == 0 and (memory is not None or share is not None or sharing_text is not None):
         gpus = 1  # an annotation alone asks for (part of) one GPU
     if share is not None and sharing is Sharing.EXCLUSIVE:
@@ -185,14 +186,10 @@ def _memory(raw: Any) -> int | None:
 def _share(raw: Any) -> float | None:
     if raw is None:
         return None
-    try:
-        value = float(str(raw).strip())
-    except ValueError as err:
-        raise BadRequest(f"annotation {ANN_SHARE}: {raw!r} is not a number",
-                         fix=f'write e.g. {ANN_SHARE}: "0.5" (a fraction of one GPU\'s time)') from err
-    if not 0 < value <= 1:
-        raise BadRequest(f"annotation {ANN_SHARE}: {raw!r} must be in (0, 1]",
-                         fix="ask for a fraction of one GPU, e.g. 0.25")
+    value = parse_gpu_share(str(raw))
+    if value is None:
+        raise BadRequest(f"annotation {ANN_SHARE}: {raw!r} is not a share of one GPU in (0, 1]",
+                         fix=f'write e.g. {ANN_SHARE}: "0.5" or "50%" (a fraction of one GPU\'s time)')
     return value
 
 
