@@ -3,7 +3,9 @@
 The file is composed (not just parsed) with PyYAML so every node keeps its `start_mark`;
 validation walks the nodes and records *every* problem as `FILE:LINE: what; fix: how`
 instead of stopping at the first. `load_policy()` raises one PolicyError listing all of
-them; `check_policy_text()` returns them for `gpuwatch policy check`.
+them; `check_policy_text()` returns them for `gpuwatch policy check`. The file itself is
+read by `read_policy_text()`: regular files only, at most 1 MiB, never blocking (a FIFO,
+/dev/zero behind a symlink or a directory is refused with a clear error).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from gpuwatch.policy.units import (
     parse_ratio,
     parse_size,
 )
+from gpuwatch.safeio import RefusedFile, read_regular_file
 
 T = TypeVar("T")
 
@@ -726,22 +729,50 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
     ), []
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file; raise PolicyError listing every problem."""
+MAX_POLICY_BYTES = 1 << 20
+"""Largest policy file the agent reads (1 MiB: thousands of rules)."""
+MAX_LISTED_ISSUES = 50
+"""At most this many problems are spelled out in a PolicyError (the rest are counted)."""
+
+
+def read_policy_text(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> str:
+    """The text of a policy file, read so that it can neither hang nor flood the reader:
+    symlinks resolved then opened with O_NOFOLLOW|O_NONBLOCK, regular files only (a FIFO,
+    a device such as /dev/zero, a directory are refused), at most `max_bytes` (checked with
+    fstat before reading and while reading). PolicyError says what is wrong."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = read_regular_file(path, max_bytes)
+    except RefusedFile as err:
+        raise PolicyError(
+            f"refusing to read policy file {file}: {err.why}",
+            fix=f"point --policy at a regular YAML file of at most {max_bytes // 1024} KiB",
+        ) from err
     except OSError as err:
         raise PolicyError(
             f"cannot read policy file {file}: {err.strerror or err}",
             fix="check the path and that the agent can read it",
         ) from err
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PolicyError(f"{file}: not UTF-8 text ({err.reason})", fix="save the policy as UTF-8") from err
-    policy, issues = check_policy_text(text, file)
+
+
+def load_policy(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> Policy:
+    """Read (read_policy_text) and validate a policy file; raise PolicyError listing the problems."""
+    file = str(path)
+    text = read_policy_text(path, max_bytes)
+    try:
+        policy, issues = check_policy_text(text, file)
+    except RecursionError:
+        raise PolicyError(f"{file}: nested too deeply to parse", fix="flatten the YAML") from None
     if policy is None:
+        listed = "\n".join(str(i) for i in issues[:MAX_LISTED_ISSUES])
+        if len(issues) > MAX_LISTED_ISSUES:
+            listed += f"\n... and {len(issues) - MAX_LISTED_ISSUES} more"
         raise PolicyError(
-            f"{len(issues)} problem(s) in {file}:\n" + "\n".join(str(i) for i in issues),
+            f"{len(issues)} problem(s) in {file}:\n" + listed,
             fix=f"run `gpuwatch policy check {file}`",
         )
     return policy
