@@ -37,6 +37,11 @@ def detect_roots(sys_cgroup: str = "/sys/fs/cgroup") -> tuple[Path | None, Path 
     )
 
 
+def normalise_cgroup_path(cgroup_path: str) -> str:
+    """`/a/b` for a container's cgroup path; EnforcementError for the root or a `..` path."""
+    return _normalise(cgroup_path)
+
+
 def _normalise(cgroup_path: str) -> str:
     path = "/" + cgroup_path.strip().strip("/")
     if path == "/" or ".." in Path(path).parts:

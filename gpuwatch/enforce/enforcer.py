@@ -8,10 +8,12 @@
     enforcer.close()
 
 Evaluation is pure (gpuwatch.policy.evaluate); this class owns the I/O around it: the
-policy file (reload on SIGHUP or mtime change; an invalid file never replaces the running
+policy file (reload on SIGHUP or mtime change, read and checked in a worker thread so the
+snapshots keep their cadence; an invalid or refused file never replaces the running
 policy), the actions, the audit log (every decision, dry-run and suppressed ones too), the
 metrics and the in-kernel limit map hook. On start it thaws whatever a crashed previous
-run left frozen (state file).
+run left frozen (the cgroups' freeze markers and the state file, enforce/frozen.py) unless
+the agent already did so under its node lock.
 
 It also carries out what pods ask for with the sharing annotations (policy/sharing.py):
 `exclusive` -> every other container on the node gets the held GPU denied by the device
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,13 +39,16 @@ from gpuwatch.enforce.actions import ActionResult, ActionSet, Status, build_acti
 from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
 from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree, own_cgroup_paths
 from gpuwatch.enforce.control import BusySource, FreezeControl
-from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry
+from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry, RecoveryAction
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap, kernel_action
+from gpuwatch.enforce.markers import MarkerOwner
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
+from gpuwatch.enforce.policy_reload import PolicyLoad, PolicyStat, policy_stat
 from gpuwatch.enforce.probe_events import convert_events
+from gpuwatch.enforce.recovery import RecoveryMetrics
 from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
 from gpuwatch.enforce.webhook_requests import decide_webhook
-from gpuwatch.errors import EnforcementError, PolicyError
+from gpuwatch.errors import EnforcementError
 from gpuwatch.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.evaluate import (
     VANISHED_INTERVALS,
@@ -55,7 +59,6 @@ from gpuwatch.policy.evaluate import (
     Verb,
     evaluate,
 )
-from gpuwatch.policy.loader import load_policy
 from gpuwatch.policy.match import select_rule
 from gpuwatch.policy.model import ActionKind, Policy
 from gpuwatch.policy.sharing import (
@@ -101,8 +104,20 @@ class Enforcer:
         throttle_control_s: float = 0.25,
         node_containers: NodeContainers | None = None,
         node_scan_s: float = 30.0,
+        initial_policy: PolicyLoad | None = None,
+        recover: bool = True,
+        lock_path: str | Path | None = None,
+        reload_wait_s: float = 0.1,
     ) -> None:
         """Load the policy (PolicyError if invalid), build the actions, thaw leftovers.
+
+        `initial_policy`: the policy already read (the agent reads it in a worker so SIGTERM
+        is heard while a large file parses); None: read it here. Reloads parse in a worker
+        (PolicyLoad): `on_snapshot` waits at most `reload_wait_s` for one, then goes on with
+        the running policy and swaps the new one in on a later snapshot once it is valid.
+
+        `recover=False` when the caller already reconciled the node (the agent does, under
+        its node lock `lock_path`, which also goes into the freeze markers this enforcer sets).
 
         `clock` must tick like the snapshots' timestamp_s (staleness, probe-event times).
         None: per snapshot, wall time for epoch timestamps, else CLOCK_MONOTONIC (the
@@ -127,12 +142,14 @@ class Enforcer:
         self.audit = audit or AuditLog(DEFAULT_AUDIT_PATH)
         self._kernel_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
-        self.policy: Policy = self._load_initial()
+        self.reload_wait_s = reload_wait_s
+        self._pending_load: PolicyLoad | None = None
+        self.policy: Policy = self._load_initial(initial_policy)
         if actions is None:
             tree = cgroups or CgroupTree()
             control = FreezeControl(
                 tree,
-                FrozenRegistry(tree, frozen_state_path),
+                FrozenRegistry(tree, frozen_state_path, owner=MarkerOwner.current(lock_path)),
                 busy_source or self._snapshot_busy,
                 throttle_control_s=throttle_control_s,
             )
@@ -153,49 +170,70 @@ class Enforcer:
         self.sharing = SharingLedger()
         self.node_listing = NodeListing(node_containers, node_scan_s)
         self.last_exclusive = ExclusivePlan()
-        self.recovered = self.actions.control.registry.recover()
+        self.recovery_metrics = RecoveryMetrics()
+        self.recovered = self.actions.control.registry.recover(self._on_recovery) if recover else []
 
     # -- policy -------------------------------------------------------------------------
-    def _stat(self) -> tuple[float, int, int] | None:
-        try:
-            st = os.stat(self.policy_path)
-        except OSError:
-            return None
-        return (st.st_mtime, st.st_size, st.st_ino)
+    def _stat(self) -> PolicyStat:
+        return policy_stat(self.policy_path)
 
-    def _load_initial(self) -> Policy:
-        policy = load_policy(self.policy_path)
-        self._loaded_stat = self._stat()
+    def _load_initial(self, load: PolicyLoad | None) -> Policy:
+        if load is None:
+            load = PolicyLoad(self.policy_path)
+        load.wait(None)
+        policy = load.result()
+        self._loaded_stat = load.stat
         self.metrics.count_reload(True)
         self.metrics.policy_loaded_s = time.time()
         return policy
 
+    def _on_recovery(self, step: RecoveryAction) -> None:
+        self.recovery_metrics.count(step)
+        self.audit.record_recovery(step, dry_run=self.dry_run)
+
     def reload(self) -> bool:
-        """Re-read the policy file; an invalid file keeps the running policy (logged + counted)."""
+        """Re-read the policy file now (waits for the parse); an invalid file keeps the
+        running policy (logged + counted)."""
         self.reload_requested = False
-        stat = self._stat()
-        try:
-            policy = load_policy(self.policy_path)
-        except PolicyError as err:
-            self._loaded_stat = stat  # do not retry the same broken file every interval
-            self.last_reload_error = str(err)
+        self._pending_load = None
+        load = PolicyLoad(self.policy_path)
+        load.wait(None)
+        return self._apply_load(load)
+
+    def _apply_load(self, load: PolicyLoad) -> bool:
+        if load.error is not None:
+            self._loaded_stat = load.stat  # do not retry the same broken file every interval
+            self.last_reload_error = str(load.error)
             self.metrics.count_reload(False)
-            log.error("policy reload failed; keeping the running policy: %s", err)
+            text = self.last_reload_error
+            log.error("policy reload failed; keeping the running policy: %s",
+                      text if len(text) <= 4000 else text[:4000] + f"... ({len(text)} characters)")
             return False
+        policy = load.result()
         with self._lock:
             self.policy = policy
-        self._loaded_stat = stat
+        self._loaded_stat = load.stat
         self.last_reload_error = ""
         self.metrics.count_reload(True)
         self.metrics.policy_loaded_s = time.time()
-        log.info("policy reloaded from %s (%d rules)", self.policy_path, len(policy.rules))
+        log.info("policy reloaded from %s (%d rules, read and checked in %.2f s)", self.policy_path,
+                 len(policy.rules), time.monotonic() - load.started_s)
         return True
 
     def check_reload(self) -> bool | None:
-        """Reload if SIGHUP asked for it or the file changed; None if nothing to do."""
-        if self.reload_requested or self._stat() != self._loaded_stat:
-            return self.reload()
-        return None
+        """Reload if SIGHUP asked for it or the file changed: the file is read and checked in
+        a worker; returns its result once it is in (applied when valid), None while nothing
+        changed or the worker is still at it (the running policy stays meanwhile)."""
+        load = self._pending_load
+        if load is None:
+            if not (self.reload_requested or self._stat() != self._loaded_stat):
+                return None
+            self.reload_requested = False
+            load = self._pending_load = PolicyLoad(self.policy_path)
+        if not load.wait(self.reload_wait_s):
+            return None
+        self._pending_load = None
+        return self._apply_load(load)
 
     # -- evaluation ---------------------------------------------------------------------
     def _snapshot_busy(self, key: str, _handle: CgroupHandle) -> Callable[[], float]:

@@ -10,6 +10,7 @@ from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate
+from gpuwatch.enforce.policy_reload import PolicyLoad
 from gpuwatch.enforce.sharing import NodeContainers
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ContainerIdentity
@@ -114,12 +115,17 @@ def build_enforcer(
     device_gate: DeviceGate | None = None,
     node_containers: NodeContainers | None = None,
     bundle_roots: Any = None,
+    initial_policy: PolicyLoad | None = None,
+    recover: bool = True,
+    lock_path: str | Path | None = None,
 ) -> Enforcer:
     """Enforcer with the default actions; `probes` (a started ProbeManager) wires the
     in-kernel limit map unless `limit_map` is given, and device isolation (a cgroup device
     program) unless `device_gate` is given. The node's containers (for exclusive GPUs and
     glob quotas) come from a CgroupNodeContainers over `bundle_roots` unless
-    `node_containers` is given. Raises PolicyError for a bad policy."""
+    `node_containers` is given. Raises PolicyError for a bad policy. `initial_policy`,
+    `recover`, `lock_path`: see Enforcer (the agent reads the policy in a worker and
+    reconciles the node under its lock before it builds the enforcer)."""
     if limit_map is None and probes is not None and hasattr(probes, "set_limit"):
         limit_map = ProbeLimitMap(probes, kernel_limit_action)
     gate = device_gate if device_gate is not None else build_device_gate(probes, dry_run)
@@ -134,6 +140,9 @@ def build_enforcer(
             device_gate=gate,
             frozen_state_path=frozen_state_path,
             node_containers=node_containers,
+            initial_policy=initial_policy,
+            recover=recover,
+            lock_path=lock_path,
         )
     except BaseException:
         close = getattr(gate, "close", None)

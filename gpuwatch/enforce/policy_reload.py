@@ -1,0 +1,73 @@
+"""Reading and parsing a policy file off the agent's main loop.
+
+PyYAML composes a 1 MiB policy in seconds; done on the main loop that would stall
+enforcement (and, before the reads were bounded, a FIFO or /dev/zero hung or flooded it).
+`PolicyLoad` reads (policy.loader.read_policy_text: regular files only, 1 MiB cap, never
+blocks) and validates in a daemon thread; the enforcer keeps its cadence and the running
+policy, and swaps in the new one on a later snapshot only once it is valid. A load that is
+still running when the agent stops is simply abandoned (daemon thread).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuwatch.errors import PolicyError
+from gpuwatch.policy.loader import load_policy
+from gpuwatch.policy.model import Policy
+
+PolicyStat = tuple[float, int, int] | None
+
+
+def policy_stat(path: str | Path) -> PolicyStat:
+    """(mtime, size, inode) of the file the path names now (symlinks followed), None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime, st.st_size, st.st_ino)
+
+
+class PolicyLoad:
+    """One read + validation of a policy file, in a daemon thread started at construction."""
+
+    def __init__(self, path: str | Path, load: Callable[[str | Path], Policy] | None = None) -> None:
+        self.path = Path(path)
+        self.stat = policy_stat(path)  # before reading: a change while parsing is seen next time
+        self.started_s = time.monotonic()
+        self.policy: Policy | None = None
+        self.error: PolicyError | None = None
+        self._load = load or load_policy
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="policy-load", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.policy = self._load(self.path)
+        except PolicyError as err:
+            self.error = err
+        except (RecursionError, MemoryError) as err:  # deeply nested / huge YAML: the file's fault
+            self.error = PolicyError(f"policy file {self.path} cannot be parsed: {type(err).__name__}",
+                                     fix="simplify the file (nesting depth, size)")
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """True once finished (policy or error set)."""
+        return self._done.wait(timeout_s)
+
+    def result(self) -> Policy:
+        """The policy (after wait()); raises the PolicyError if the file was refused or invalid."""
+        if self.error is not None:
+            raise self.error
+        if self.policy is None:
+            raise PolicyError(f"policy file {self.path} is still being read", fix="wait() first")
+        return self.policy
