@@ -1,8 +1,11 @@
 """The node agent: wires sources, the sampler and the consumers together, and tears them down.
 
-Start order: probes (optional) -> sampler -> exporter -> enforcer (optional) -> webhook
-(optional). Stop order is the reverse, on every exit path: the webhook stops accepting,
-the enforcer thaws what it froze, the exporter stops, the sampler stops, the probes detach.
+Start order: the node lock (one agent per node; a second one exits here, having touched
+nothing) -> recovery (thaw what a gone agent left frozen: freeze markers on the cgroups +
+the state file) -> probes (optional) -> sampler -> exporter -> enforcer (optional; its
+policy is read and checked in a worker meanwhile) -> webhook (optional). Stop order is the
+reverse, on every exit path: the webhook stops accepting, the enforcer thaws what it froze,
+the exporter stops, the sampler stops, the probes detach, the lock is released.
 Each optional part that cannot start is logged once with what the user loses.
 """
 
@@ -36,6 +39,7 @@ class AgentConfig:
     dry_run: bool = False
     audit_log: str = "/var/log/gpuwatch/audit.jsonl"
     frozen_state_path: str = "/run/gpuwatch/frozen.json"
+    lock_path: str = "/run/gpuwatch/agent.lock"  # one agent per node (enforce/nodelock.py)
     bundle_roots: Any = None  # gpuwatch.containers.BundleRoots; None: the runtimes' defaults
     webhook: tuple[str, int] | None = None
     webhook_token_file: str | None = None
@@ -124,15 +128,21 @@ class _NfdFeatures:
         return [writes, errors]
 
 
-def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: Any) -> Any | None:
-    if not config.policy_path:
+def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: Any,
+                    policy_load: Any, stop: threading.Event) -> Any | None:
+    if policy_load is None or not config.policy_path:
         log.info("no --policy: enforcement is off (metrics only)")
         return None
     from gpuwatch.enforce.factory import build_enforcer
 
+    while not policy_load.wait(0.1):  # a large policy parses in a worker: SIGTERM is still heard
+        if stop.is_set():
+            return None
+    policy_load.result()  # PolicyError: refuse to start with a broken policy
     enforcer = build_enforcer(policy_path=config.policy_path, audit_log=config.audit_log,
                               dry_run=config.dry_run, probes=probes,
-                              frozen_state_path=config.frozen_state_path)
+                              frozen_state_path=config.frozen_state_path, initial_policy=policy_load,
+                              recover=False, lock_path=config.lock_path)
     stack.callback(enforcer.close)
     registry.register(enforcer.metrics_collector())
     log.info("enforcer on: policy %s%s, audit log %s", config.policy_path,
@@ -171,8 +181,28 @@ def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any, token: 
              server.PATH)
 
 
+def _recover(config: AgentConfig) -> Any:
+    """Thaw what a gone agent left frozen (the node lock is held); the metrics collector."""
+    from gpuwatch.enforce.cgroupfs import CgroupTree
+    from gpuwatch.enforce.recovery import RecoveryMetrics, recover_node
+
+    metrics = RecoveryMetrics()
+    recover_node(CgroupTree(), config.frozen_state_path, config.lock_path, config.audit_log, metrics,
+                 dry_run=config.dry_run)
+    return metrics
+
+
 def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
-    """Run until `stop` is set; everything started is stopped again on the way out."""
+    """Run until `stop` is set; everything started is stopped again on the way out.
+
+    Raises AgentAlreadyRunning (before touching anything) when another agent holds the lock."""
+    from gpuwatch.enforce.nodelock import NodeLock
+
+    with NodeLock(config.lock_path):
+        _run_locked(config, stop, reload_requested)
+
+
+def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
     from gpuwatch.exporter.server import registry_for, serve
     from gpuwatch.sampler import build_sampler
 
@@ -180,6 +210,12 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
     if config.nvml_library:
         os.environ["GPUWATCH_NVML_LIBRARY"] = config.nvml_library
     webhook_token = _webhook_token(config)  # refuse unsafe settings before anything starts
+    recovery = _recover(config)
+    policy_load = None
+    if config.policy_path:
+        from gpuwatch.enforce.policy_reload import PolicyLoad
+
+        policy_load = PolicyLoad(config.policy_path)  # read and checked while the rest starts
     with ExitStack() as stack:
         probes = _start_probes(config, stack)
         sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
@@ -188,11 +224,14 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
         sampler.start()
         stack.callback(sampler.stop)
         registry = registry_for(sampler.latest)
+        registry.register(recovery)
         nfd = _NfdFeatures(config.nfd_features_file, config.interval_s) if config.nfd_features_file else None
         if nfd is not None:
             registry.register(nfd)
             log.info("NFD feature file: %s (labels gpuwatch.io/*)", config.nfd_features_file)
-        enforcer = _start_enforcer(config, stack, registry, probes)
+        enforcer = _start_enforcer(config, stack, registry, probes, policy_load, stop)
+        if stop.is_set():
+            return
         server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest)
         stack.callback(server.stop)
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
@@ -205,7 +244,7 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
             if reload_requested.is_set():
                 reload_requested.clear()
                 if enforcer is not None:
-                    enforcer.reload()
+                    enforcer.reload_requested = True  # read and checked in a worker (check_reload)
             snapshot = sampler.latest()
             if snapshot.timestamp_s == last_seen:
                 continue

@@ -70,7 +70,11 @@ def _xid_list(text: str) -> frozenset[int]:
 @click.option("--webhook-allow-remote", is_flag=True,
               help="Allow a non-loopback --webhook-listen address (token still required).")
 @click.option("--state-file", default="/run/gpuwatch/frozen.json", show_default=True,
-              help="What the enforcer froze (so a restarted agent thaws it after a crash).")
+              help="Journal of what the enforcer froze (the cgroups carry a freeze marker too); a "
+                   "restarted agent thaws it after a crash. A broken file is moved aside to FILE.bad.")
+@click.option("--lock-file", default="/run/gpuwatch/agent.lock", show_default=True, envvar="GPUWATCH_LOCK_FILE",
+              help="One agent per node: a second agent exits at once, naming the holder's pid. Give "
+                   "each simulated node on one machine its own. Env: GPUWATCH_LOCK_FILE.")
 @click.option("--kmsg", "kmsg_path", default="/dev/kmsg", show_default=True, metavar="PATH|none",
               help="Kernel log to read the driver's Xid lines from (per-pod Xid counts). The simulated "
                    "node writes its own: <sim root>/kmsg. 'none' turns it off.")
@@ -92,7 +96,7 @@ def _xid_list(text: str) -> frozenset[int]:
 def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
           proc_root: str, probes: bool | None, device_prefix: str, launch_uprobes: bool,
           policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
-          webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str,
+          webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str, lock_file: str,
           kmsg_path: str, nfd_features_file: str | None, health_ignore_xids: str | None,
           health_nvml_error_sweeps: int, network: bool, network_exclude: str | None,
           containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...],
@@ -117,7 +121,7 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
         device_prefix=device_prefix, launch_uprobes=launch_uprobes, policy_path=policy_path,
         dry_run=dry_run, audit_log=audit_log, webhook=webhook,
         webhook_token_file=webhook_token_file, webhook_allow_remote=webhook_allow_remote,
-        frozen_state_path=state_file,
+        frozen_state_path=state_file, lock_path=lock_file,
         kmsg_path=None if kmsg_path.strip().lower() in ("", "none", "off") else kmsg_path,
         nfd_features_file=nfd_features_file,
         ignored_xids=_xid_list(health_ignore_xids) if health_ignore_xids is not None else None,

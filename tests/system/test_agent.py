@@ -68,7 +68,7 @@ def agent_argv(sim: simnode.SimNode, lab_base: Path, port: int, tmp: Path, *extr
             "--interval=0.5", f"--nvml-library={sim.libraries.nvml_path}",
             f"--containerd-root={dirs['bundle_root']}", f"--runc-root={dirs['runc_root']}",
             f"--device-prefix={sim.root}/dev/nvidia", f"--audit-log={tmp / 'audit.jsonl'}",
-            f"--state-file={tmp / 'frozen.json'}", *extra]
+            f"--state-file={tmp / 'frozen.json'}", f"--lock-file={tmp / 'agent.lock'}", *extra]
 
 
 @contextmanager
@@ -212,7 +212,7 @@ def test_unsafe_webhook_configurations_are_refused(tmp_path: Path, extra: list[s
     proc = subprocess.run(
         [sys.executable, "-m", "gpuwatch", "agent", "--listen=127.0.0.1:0", "--no-probes",
          f"--policy={policy}", f"--audit-log={tmp_path / 'a.jsonl'}", f"--state-file={tmp_path / 'f.json'}",
-         "--nvml-library=/nonexistent/libnvidia-ml.so.1", *extra],
+         f"--lock-file={tmp_path / 'agent.lock'}", "--nvml-library=/nonexistent/libnvidia-ml.so.1", *extra],
         env=env, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr

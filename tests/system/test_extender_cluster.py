@@ -114,7 +114,7 @@ def test_extender_over_three_simulated_nodes(tmp_path: Path) -> None:
             argv = [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{ports[name]}",
                     f"--node={name}", f"--interval={SCRAPE_S}", f"--nvml-library={sim.libraries.nvml_path}",
                     "--no-probes", "--no-network", f"--kmsg={sim.kmsg_path}", f"--audit-log={tmp_path / name}.audit",
-                    f"--state-file={tmp_path / name}.frozen"]
+                    f"--state-file={tmp_path / name}.frozen", f"--lock-file={tmp_path / name}.lock"]
             agents[name] = stack.enter_context(running_agent(
                 argv, {**os.environ, "GPUWATCH_SIM_STATE": str(sim.state_path)}, tmp_path / f"{name}.log",
                 ports[name]))

@@ -123,7 +123,8 @@ def agent(node: SimNode, lab: ContainerLab, tmp_path: Path) -> Iterator[tuple[su
     argv = [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={NODE}",
             f"--interval={INTERVAL_S}", f"--nvml-library={node.libraries.nvml_path}", "--no-probes",
             f"--containerd-root={lab.bundle_root}", f"--runc-root={lab.runc_root}",
-            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}"]
+            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}",
+            f"--lock-file={tmp_path / 'agent.lock'}"]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -47,7 +47,8 @@ def _agent_argv(name: str, sim: Any, lab_base: Path, port: int, tmp: Path) -> li
     return [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={name}",
             "--interval=0.5", f"--nvml-library={sim.libraries.nvml_path}", "--no-probes", "--kmsg=none",
             f"--containerd-root={dirs['bundle_root']}", f"--runc-root={dirs['runc_root']}",
-            f"--audit-log={tmp / f'{name}-audit.jsonl'}", f"--state-file={tmp / f'{name}-frozen.json'}"]
+            f"--audit-log={tmp / f'{name}-audit.jsonl'}", f"--state-file={tmp / f'{name}-frozen.json'}",
+            f"--lock-file={tmp / f'{name}-agent.lock'}"]  # one lock per simulated node
 
 
 @pytest.fixture(scope="module")
