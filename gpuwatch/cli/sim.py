@@ -38,13 +38,16 @@ def sim() -> None:
 
     A fake libnvidia-ml.so.1 and a stub libcuda.so.1 share one state file in /dev/shm:
     workloads allocate memory and run "kernels" (CPU burns) through the stub, and every
-    NVML tool pointed at the fake sees exactly that. Device nodes named like NVIDIA's
+    NVML tool pointed at the fake sees exactly that. Kernels on one GPU contend for it:
+    one context at a time, time-sliced (or up to N at once with `sim up --mps N`). Device nodes named like NVIDIA's
     (nvidiactl, nvidia0.., nvidia-uvm) live under the sim root and receive real-encoded
     driver ioctls, so the kernel probes work too.
 
     \b
     gpuwatch sim up --devices 2            # two simulated H100s
     gpuwatch sim run --mib-per-step 4096 --duty 0.5 &
+    gpuwatch sim run --duty 0.8 --work-s 30 --progress-curve exp --progress-rate 0.2 \\
+        --progress-file /tmp/loss &    # a job with 30 GPU-seconds of work and a loss curve
     gpuwatch sim status
     eval "$(gpuwatch sim env)"             # point NVML tools (nvitop, pynvml) at it
     gpuwatch sim fault xid --gpu 0 --code 79 --pid 1234
@@ -81,10 +84,36 @@ def sim() -> None:
     show_default=True,
     help="GPU interconnect: PCIe only, NVLink bridges between GPU pairs, or NVSwitches.",
 )
+@click.option(
+    "--mps",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Contexts whose kernels run at once on one GPU: 1 = time-sliced, N > 1 = MPS-like.",
+)
+@click.option(
+    "--timeslice-ms",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 1000),
+    help="Run time after which a kernel yields the GPU to a waiting context.",
+)
 def up_cmd(
-    name: str, devices: int, model: str, memory: str, rm_alloc_params: str, rm_device_handles: bool, topology: str
+    name: str,
+    devices: int,
+    model: str,
+    memory: str,
+    rm_alloc_params: str,
+    rm_device_handles: bool,
+    topology: str,
+    mps: int,
+    timeslice_ms: float,
 ) -> None:
-    """Bring a simulated node up (re-creating it resets its ledger and kernel log)."""
+    """Bring a simulated node up (re-creating it resets its ledger and kernel log).
+
+    Kernels launched on one simulated GPU contend for it: one context runs at a time and
+    co-tenants take turns every --timeslice-ms of run time (waiting is not busy time, so
+    a GPU's utilisation never exceeds 100%); with --mps N up to N contexts run at once."""
     from gpuwatch.sim import node as simnode
 
     n = simnode.up(
@@ -95,8 +124,12 @@ def up_cmd(
         rm_alloc_params=rm_alloc_params,
         rm_device_handles=rm_device_handles,
         topology=topology,
+        mps=mps,
+        timeslice_ms=timeslice_ms,
     )
-    click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each, {topology}")
+    sharing = f"MPS-like, {mps} contexts at once" if mps > 1 else f"time-sliced every {n.timeslice_ms:g} ms"
+    click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each, {topology}, "
+               f"{sharing}")
     click.echo(f"  state  {n.state_path}")
     click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
     click.echo(f"  kmsg   {n.kmsg_path}  (Xid kernel-log records)")
@@ -123,20 +156,27 @@ def status_cmd(name: str) -> None:
     """Devices and the per-process memory ledger of a simulated node."""
     from gpuwatch.sim import node as simnode
 
-    st = simnode.status(simnode.get_node(name))
+    node = simnode.get_node(name)
+    st = simnode.status(node)
     gib = 1024**3
-    click.echo(f"topology {st.node.topology}, kernel log {st.node.kmsg_path}")
+    sharing = f"MPS-like ({node.mps} contexts at once)" if node.mps > 1 else \
+        f"time-sliced ({node.timeslice_ms:g} ms)"
+    click.echo(f"topology {st.node.topology}, {sharing}, kernel log {st.node.kmsg_path}")
     for d in st.devices:
         flags = (" LOST" if d.lost else "") + (" ROW-REMAP-FAILURE" if d.row_remap_failure else "")
+        eng = simnode.engine(node, d.index)
         click.echo(
             f"GPU {d.index}  {d.name}  {d.uuid}  {d.memory_used_bytes / gib:.2f} / "
-            f"{d.memory_total_bytes / gib:.2f} GiB  util {d.utilization_percent}%{flags}"
+            f"{d.memory_total_bytes / gib:.2f} GiB  util {d.utilization_percent}%{flags}  "
+            f"engine: {len(eng.holder_pids)} running, {eng.waiters} waiting, {eng.yields_total} hand-overs, "
+            f"{eng.steals_total} taken from stopped holders"
         )
         for p in (p for p in st.processes if p.device == d.index):
             ns = f" (pid {p.ns_pid} in its namespace)" if p.ns_pid != p.host_pid else ""
             click.echo(
                 f"  pid {p.host_pid}{ns}  {p.memory_bytes / 2**20:.0f} MiB in {p.allocations} allocations, "
-                f"{p.kernel_launches} kernels, {p.busy_seconds_total:.1f} s busy"
+                f"{p.kernel_launches} kernels, {p.busy_seconds_total:.1f} s busy, "
+                f"{p.engine_wait_seconds_total:.1f} s waiting for the GPU"
             )
 
 
@@ -218,6 +258,41 @@ def _signal_number(text: str) -> int:
     help="File written on checkpoint (content: the progress count).",
 )
 @click.option("--keep-running-after-checkpoint", is_flag=True, help="Do not exit after writing the marker.")
+@click.option(
+    "--work-s",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="GPU-seconds of kernel work the job has; it exits 0 when they are done (0: no end).",
+)
+@click.option(
+    "--progress-curve",
+    type=click.Choice(["exp", "linear", "log"]),
+    default=None,
+    help="Evaluation function of the work done w: exp V0*e^(-Kw), linear V0-Kw, log V0-K*ln(1+w).",
+)
+@click.option("--progress-rate", "progress_rate", default=1.0, show_default=True, help="K of the curve.")
+@click.option("--progress-start", "progress_start", default=1.0, show_default=True, help="V0 of the curve.")
+@click.option(
+    "--progress-goal",
+    type=click.Choice(["minimize", "maximize"]),
+    default="minimize",
+    show_default=True,
+    help="minimize writes the loss; maximize writes V0 - loss (a score rising from 0).",
+)
+@click.option(
+    "--progress-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="File the evaluation value is rewritten to (atomically, one line), as the job sees it.",
+)
+@click.option(
+    "--progress-interval-s",
+    default=0.2,
+    show_default=True,
+    type=click.FloatRange(min=0.01),
+    help="How often at most the progress file is rewritten.",
+)
 def run_cmd(
     name: str,
     gpu: int,
@@ -231,12 +306,24 @@ def run_cmd(
     checkpoint_signal: str,
     checkpoint_marker: Path | None,
     keep_running_after_checkpoint: bool,
+    work_s: float,
+    progress_curve: str | None,
+    progress_rate: float,
+    progress_start: float,
+    progress_goal: str,
+    progress_file: Path | None,
+    progress_interval_s: float,
 ) -> None:
     """Run a GPU workload on the simulated node in this process.
 
     Prints "ready <pid> <bytes>" once its memory is allocated, "progress <n>" once a
     second, "checkpoint <n>" on the checkpoint signal and "oom <pid> <bytes>" when the
     device is full (exit status 2). Progress also goes to <sim root>/progress/<pid>.
+
+    With --work-s the job has that many GPU-seconds of kernels (kernel time, not wall
+    time: on a shared GPU it takes longer) and exits 0 after printing "done <pid> <s>".
+    With --progress-curve it evaluates a loss-like function of the work done, writes it
+    to --progress-file and prints "evaluation <value> <work done s>" once a second.
     """
     from gpuwatch.sim import node as simnode
     from gpuwatch.sim import workload
@@ -248,6 +335,11 @@ def run_cmd(
         raise click.ClickException("sim is not up: run `gpuwatch sim up`")
     if "GPUWATCH_SIM_LIBCUDA" not in os.environ:
         os.environ["GPUWATCH_SIM_LIBCUDA"] = str(simnode.get_node(name).libraries.cuda_path)
+    model = None
+    if progress_curve is not None:
+        model = workload.ProgressModel(
+            curve=progress_curve, rate=progress_rate, start=progress_start, goal=progress_goal
+        )
     spec = workload.WorkloadSpec(
         gpu=gpu,
         mib_per_step=mib_per_step,
@@ -261,5 +353,9 @@ def run_cmd(
         checkpoint_signal=_signal_number(checkpoint_signal),
         checkpoint_marker=checkpoint_marker,
         exit_on_checkpoint=not keep_running_after_checkpoint,
+        work_s=work_s,
+        progress=model,
+        evaluation_file=progress_file,
+        evaluation_interval_s=progress_interval_s,
     )
     sys.exit(workload.run_workload(spec))

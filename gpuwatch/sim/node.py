@@ -5,6 +5,10 @@ memory ledger, busy time, events), a sim root directory (device nodes named like
 real ones, workload progress files, node.json) and a build of the native libraries.
 Everything here talks to the state file through the gpuwatchsim_* helpers exported by
 the fake libnvidia-ml, so the layout has exactly one definition (csrc/simstate.h).
+
+Kernels on one simulated GPU contend for its execution engine (csrc/simstate.h): one
+context runs at a time, time-sliced (`timeslice_ms`), or up to `mps` at once in the
+MPS-like mode; `engine(node, gpu)` tells who holds it and how often it changed hands.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ FAULT_KINDS = {"xid": 0, "lost": 1, "ecc": 2, "clear": 3, "row-remap-failure": 4
 _LOST_QUIET = 5  # lost without a kernel-log record: the node is being taken down
 RM_ALLOC_LAYOUTS = {"nvos64": 0, "nvos21": 1}
 TOPOLOGIES = {"pcie": 0, "nvlink-pairs": 1, "nvswitch": 2}
+MAX_MPS_LANES = 8  # SIM_MAX_LANES
+DEFAULT_TIMESLICE_MS = 2.0  # SIM_DEFAULT_TIMESLICE_US
 _NULL_MAJOR_MINOR = (1, 3)  # /dev/null: opens and ioctls succeed harmlessly (ENOTTY)
 _NOT_UP_FIX = "run `gpuwatch sim up`"
 
@@ -42,6 +48,8 @@ class SimNode:
     libraries: SimLibraries
     device_count: int
     topology: str = "pcie"  # one of TOPOLOGIES
+    mps: int = 1  # kernels of up to this many contexts run at once per GPU (1: time-sliced)
+    timeslice_ms: float = DEFAULT_TIMESLICE_MS  # run time after which a kernel yields to waiters
 
     @property
     def dev_dir(self) -> Path:
@@ -89,6 +97,21 @@ class SimProcess:
     allocations: int
     busy_seconds_total: float
     kernel_launches: int
+    engine_wait_seconds_total: float = 0.0  # time its launches waited for the GPU's engine
+
+
+@dataclass(frozen=True)
+class SimEngine:
+    """The execution engine of one simulated GPU (kernels contend for it)."""
+
+    gpu: int
+    lanes: int  # contexts that run at once: 1 time-sliced, N MPS-like
+    timeslice_ms: float
+    holder_pids: tuple[int, ...]  # pids (in the caller's namespace; 0: not visible) running a kernel now
+    waiters: int  # launches waiting for the engine now
+    acquisitions_total: int  # times a lane was taken
+    steals_total: int  # ... from a holder that had stopped running (frozen, stopped, dead)
+    yields_total: int  # time slices that ended with a hand-over to a waiter
 
 
 @dataclass(frozen=True)
@@ -110,6 +133,20 @@ class _ProcInfo(ctypes.Structure):
         ("allocations", ctypes.c_uint64),
         ("busy_ns_total", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
+        ("engine_wait_ns_total", ctypes.c_uint64),
+    ]
+
+
+class _EngineInfo(ctypes.Structure):
+    _fields_ = [
+        ("lanes", ctypes.c_uint32),
+        ("timeslice_us", ctypes.c_uint32),
+        ("acquisitions", ctypes.c_uint64),
+        ("steals", ctypes.c_uint64),
+        ("yields", ctypes.c_uint64),
+        ("holders", ctypes.c_uint32),
+        ("waiters", ctypes.c_uint32),
+        ("holder_pids", ctypes.c_int32 * MAX_MPS_LANES),
     ]
 
 
@@ -174,7 +211,10 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_uint,
             ctypes.c_uint,
             ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
         ]
+        lib.gpuwatchsim_engine.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_EngineInfo)]
         lib.gpuwatchsim_inject.argtypes = [
             ctypes.c_char_p,
             ctypes.c_uint,
@@ -221,6 +261,8 @@ def up(
     rm_alloc_params: str = "nvos64",
     rm_device_handles: bool = False,
     topology: str = "pcie",
+    mps: int = 1,
+    timeslice_ms: float = DEFAULT_TIMESLICE_MS,
 ) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
@@ -231,9 +273,11 @@ def up(
     handles to GPUs. `topology` is the GPU interconnect NVML reports: "pcie" (no NVLink),
     "nvlink-pairs" (GPUs 2k and 2k+1 bridged by 4 NVLinks) or "nvswitch" (18 NVLinks per
     GPU, all to NVSwitches); the PCIe common ancestors are the same in all three (see the
-    README). Re-creating a node that is up resets its ledger and empties its kernel log
-    (`kmsg_path`): processes of the old node keep their mapping of the old (unlinked)
-    file and are no longer seen."""
+    README). `mps` is how many contexts' kernels run at once on one GPU: 1 (default) is a
+    time-sliced GPU -- one kernel at a time, tenants take turns every `timeslice_ms` of
+    run time; N > 1 is MPS-like (up to N at once, each at full speed). Re-creating a node
+    that is up resets its ledger and empties its kernel log (`kmsg_path`): processes of
+    the old node keep their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)
     if not 1 <= devices <= MAX_DEVICES:
         raise SimError(
@@ -246,6 +290,11 @@ def up(
         raise SimError(f"unknown RM_ALLOC layout {rm_alloc_params!r}", fix="use nvos64 or nvos21")
     if topology not in TOPOLOGIES:
         raise SimError(f"unknown GPU topology {topology!r}", fix=f"use one of {', '.join(TOPOLOGIES)}")
+    if not 1 <= mps <= MAX_MPS_LANES:
+        raise SimError(f"--mps {mps} is out of range", fix=f"pass 1 (time-sliced) to {MAX_MPS_LANES}")
+    timeslice_us = round(timeslice_ms * 1000)
+    if not 100 <= timeslice_us <= 1_000_000:
+        raise SimError(f"time slice of {timeslice_ms} ms is out of range", fix="pass 0.1 to 1000 ms")
     libs = build_sim_libraries()
     state = state_path or state_path_for(name)
     sim_root = root or root_for(name)
@@ -276,6 +325,8 @@ def up(
         RM_ALLOC_LAYOUTS[rm_alloc_params],
         int(rm_device_handles),
         TOPOLOGIES[topology],
+        mps,
+        timeslice_us,
     )
     if rc < 0:
         raise SimError(
@@ -283,7 +334,14 @@ def up(
             fix="check that /dev/shm is writable",
         )
     node = SimNode(
-        name=name, state_path=state, root=sim_root, libraries=libs, device_count=devices, topology=topology
+        name=name,
+        state_path=state,
+        root=sim_root,
+        libraries=libs,
+        device_count=devices,
+        topology=topology,
+        mps=mps,
+        timeslice_ms=timeslice_us / 1000,
     )
     info = {
         "name": name,
@@ -297,6 +355,8 @@ def up(
         "rm_alloc_params": rm_alloc_params,
         "rm_device_handles": rm_device_handles,
         "topology": topology,
+        "mps": mps,
+        "timeslice_ms": timeslice_us / 1000,
         "kmsg": str(node.kmsg_path),
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -320,7 +380,19 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
         )
     root = Path(root_buf.value.decode())
     topology = next((k for k, v in TOPOLOGIES.items() if v == topo.value), "pcie")
-    return SimNode(name=name, state_path=state, root=root, libraries=libs, device_count=count, topology=topology)
+    info = _EngineInfo()
+    rc = _helper(libs).gpuwatchsim_engine(str(state).encode(), 0, ctypes.byref(info))
+    mps, timeslice_ms = (info.lanes, info.timeslice_us / 1000) if rc == 0 else (1, DEFAULT_TIMESLICE_MS)
+    return SimNode(
+        name=name,
+        state_path=state,
+        root=root,
+        libraries=libs,
+        device_count=count,
+        topology=topology,
+        mps=mps,
+        timeslice_ms=timeslice_ms,
+    )
 
 
 def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:
@@ -369,6 +441,7 @@ def status(node: SimNode) -> SimStatus:
             allocations=e.allocations,
             busy_seconds_total=e.busy_ns_total / 1e9,
             kernel_launches=e.launches,
+            engine_wait_seconds_total=e.engine_wait_ns_total / 1e9,
         )
         for e in buf[:n]
     )
@@ -397,6 +470,33 @@ def status(node: SimNode) -> SimStatus:
             )
         )
     return SimStatus(node=node, devices=tuple(devices), processes=procs)
+
+
+def engine(node: SimNode, gpu: int) -> SimEngine:
+    """The execution engine of GPU `gpu`: mode, who runs a kernel now, hand-over counters.
+
+    A holder that stopped renewing its lane (frozen, stopped, dead) is not listed: the
+    next waiter may take the lane from it."""
+    if not 0 <= gpu < node.device_count:
+        raise SimError(
+            f"no GPU {gpu} on sim node {node.name!r} ({node.device_count} devices)",
+            fix=f"pass a GPU between 0 and {node.device_count - 1}",
+        )
+    info = _EngineInfo()
+    rc = _helper(node.libraries).gpuwatchsim_engine(str(node.state_path).encode(), gpu, ctypes.byref(info))
+    if rc < 0:
+        raise SimError(f"cannot read the engine of GPU {gpu} of {node.state_path}: {os.strerror(-rc)}",
+                       fix=_NOT_UP_FIX)
+    return SimEngine(
+        gpu=gpu,
+        lanes=info.lanes,
+        timeslice_ms=info.timeslice_us / 1000,
+        holder_pids=tuple(pid for pid in info.holder_pids[: info.lanes] if pid >= 0),
+        waiters=info.waiters,
+        acquisitions_total=info.acquisitions,
+        steals_total=info.steals,
+        yields_total=info.yields,
+    )
 
 
 def inject_fault(

@@ -13,7 +13,15 @@ gpuwatch sees a real process doing real (simulated) GPU work:
   <sim root>/progress/<pid> (as "<count> <unix time>") and printed once a second --
   what progress-aware policies read;
 * checkpoint: on the checkpoint signal (default SIGUSR1) it writes the marker file
-  (its content is the progress count) and exits 0, unless told to keep running.
+  (its content is the progress count) and exits 0, unless told to keep running;
+* amount of work: with `work_s` the job has that many GPU-seconds of kernels to run
+  (kernel time done, not wall time: a job that gets half a GPU takes twice as long) and
+  exits when they are done, printing `done <pid> <work_s>`;
+* evaluation function (`ProgressModel`): a loss-like value as a function of the GPU work
+  done so far -- exp, linear or log, with its own rate and start per job -- rewritten
+  atomically (temp file + rename, one line) to `evaluation_file` a few times a second
+  and printed as `evaluation <value> <work done s>` once a second. This is what a
+  container declares with the gpuwatch.io/progress-file annotation.
 
 Exit codes: 0 done or checkpointed, 2 out of GPU memory, 3 other CUDA error.
 """
@@ -21,6 +29,7 @@ Exit codes: 0 done or checkpointed, 2 out of GPU memory, 3 other CUDA error.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -37,6 +46,49 @@ EXIT_OOM = 2
 EXIT_CUDA_ERROR = 3
 PATTERNS = ("hold", "leak", "free")
 MIB = 1024 * 1024
+CURVES = ("exp", "linear", "log")
+GOALS = ("minimize", "maximize")
+
+
+@dataclass(frozen=True)
+class ProgressModel:
+    """A job's evaluation function as a function of the GPU work w (seconds) done so far.
+
+    The loss-like curves, with rate K and start V0:
+      exp     loss(w) = V0 * exp(-K w)           (gains K * loss per GPU-second)
+      linear  loss(w) = max(0, V0 - K w)         (gains K per GPU-second until 0)
+      log     loss(w) = max(0, V0 - K ln(1 + w)) (gains K / (1 + w) per GPU-second)
+    goal "minimize" writes loss(w) (a loss falling from V0); "maximize" writes
+    V0 - loss(w) (an accuracy-like score rising from 0 towards V0)."""
+
+    curve: str = "exp"
+    rate: float = 1.0
+    start: float = 1.0
+    goal: str = "minimize"
+
+    def validate(self) -> None:
+        if self.curve not in CURVES:
+            raise SimError(f"unknown progress curve {self.curve!r}", fix=f"use one of {', '.join(CURVES)}")
+        if self.goal not in GOALS:
+            raise SimError(f"unknown progress goal {self.goal!r}", fix="use minimize or maximize")
+        if not (math.isfinite(self.rate) and self.rate > 0 and math.isfinite(self.start) and self.start > 0):
+            raise SimError(
+                f"progress rate {self.rate} and start {self.start} must be positive numbers",
+                fix="pass --progress-rate and --progress-start > 0",
+            )
+
+    def loss(self, work_s: float) -> float:
+        w = max(0.0, work_s)
+        if self.curve == "exp":
+            return self.start * math.exp(-self.rate * w)
+        if self.curve == "linear":
+            return max(0.0, self.start - self.rate * w)
+        return max(0.0, self.start - self.rate * math.log1p(w))
+
+    def value(self, work_s: float) -> float:
+        """What the job writes after `work_s` GPU-seconds of work."""
+        loss = self.loss(work_s)
+        return loss if self.goal == "minimize" else self.start - loss
 
 
 @dataclass(frozen=True)
@@ -55,6 +107,10 @@ class WorkloadSpec:
     checkpoint_signal: int = int(signal.SIGUSR1)
     checkpoint_marker: Path | None = None
     exit_on_checkpoint: bool = True
+    work_s: float = 0.0  # GPU-seconds of kernels to run, then exit 0 ("done"); 0: no end
+    progress: ProgressModel | None = None  # the job's evaluation function, None: none
+    evaluation_file: Path | None = None  # where the evaluation value is rewritten
+    evaluation_interval_s: float = 0.2  # how often at most
 
     def validate(self) -> None:
         if self.pattern not in PATTERNS:
@@ -66,6 +122,16 @@ class WorkloadSpec:
                 "kernel-ms must be > 0; interval-s, steps and mib-per-step >= 0",
                 fix="check the numbers passed to `gpuwatch sim run`",
             )
+        if not (math.isfinite(self.work_s) and self.work_s >= 0):
+            raise SimError(f"work of {self.work_s} GPU-seconds is not >= 0", fix="pass --work-s >= 0")
+        if self.work_s > 0 and self.duty <= 0:
+            raise SimError("a job with --work-s runs kernels: its duty must be > 0", fix="pass --duty > 0")
+        if self.progress is not None:
+            self.progress.validate()
+        if self.evaluation_file is not None and self.progress is None:
+            raise SimError("--progress-file needs an evaluation function", fix="pass --progress-curve")
+        if self.evaluation_interval_s <= 0:
+            raise SimError("the evaluation interval must be > 0", fix="pass --progress-interval-s > 0")
 
 
 class StubCuda:
@@ -143,6 +209,9 @@ class Workload:
         self._deadline: float | None = None
         self._next_kernel = time.monotonic()
         self._out = out or sys.stdout
+        self.work_done_s = 0.0  # GPU-seconds of kernels completed
+        self._work_complete = False
+        self._last_evaluation = float("-inf")
 
     # -- reporting --
     def _say(self, line: str) -> None:
@@ -154,6 +223,8 @@ class Workload:
             return
         self._last_report = now
         self._say(f"progress {self.progress}")
+        if self.spec.progress is not None:
+            self._say(f"evaluation {self.spec.progress.value(self.work_done_s):.9g} {self.work_done_s:.3f}")
         path = self.spec.progress_file
         if path is None:
             return
@@ -163,6 +234,23 @@ class Workload:
             tmp.replace(path)
         except OSError as err:
             self._say(f"warning: cannot write progress file {path}: {err}")
+
+    def _write_evaluation(self, force: bool = False) -> None:
+        """Rewrite the evaluation file: one line, replaced atomically (never seen half written)."""
+        spec = self.spec
+        if spec.progress is None or spec.evaluation_file is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_evaluation < spec.evaluation_interval_s:
+            return
+        self._last_evaluation = now
+        path = spec.evaluation_file
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(f"{spec.progress.value(self.work_done_s):.9g}\n")
+            tmp.replace(path)
+        except OSError as err:
+            self._say(f"warning: cannot write evaluation file {path}: {err}")
 
     # -- checkpoint --
     def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
@@ -205,9 +293,17 @@ class Workload:
                 time.sleep(min(wait, left, 0.05))
                 continue
             r0 = _runnable_s()
-            self.cuda.kernel(int(spec.kernel_ms * 1000))
+            kernel_us = int(spec.kernel_ms * 1000)
+            if spec.work_s > 0:
+                kernel_us = max(1, min(kernel_us, round((spec.work_s - self.work_done_s) * 1e6)))
+            self.cuda.kernel(kernel_us)
+            self.work_done_s += kernel_us / 1e6
             self.progress += 1
             self._write_progress()
+            self._write_evaluation()
+            if spec.work_s > 0 and self.work_done_s >= spec.work_s - 5e-7:
+                self._work_complete = True
+                return True
             # next kernel when busy / duty of wall time has passed (busy = the runnable
             # time the launch took, what the stub credits), so busy / wall == duty
             # however long launches or wake-ups took; at most 0.5 s of backlog
@@ -257,6 +353,7 @@ class Workload:
         self._deadline = time.monotonic() + spec.lifetime_s if spec.lifetime_s > 0 else None
         try:
             self.cuda.open_device(spec.gpu)
+            self._write_evaluation(force=True)
             if not self._allocation_phase():
                 self._say(f"ready {os.getpid()} {self.held_bytes}")
                 while not self._spend(0.25):
@@ -269,6 +366,9 @@ class Workload:
             self._say(f"error: {err}")
             return EXIT_CUDA_ERROR
         self._write_progress(force=True)
+        self._write_evaluation(force=True)
+        if self._work_complete:
+            self._say(f"done {os.getpid()} {self.work_done_s:.3f}")
         for ptr in self.held:
             self.cuda.free(ptr)
         return 0

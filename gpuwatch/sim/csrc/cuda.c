@@ -19,6 +19,9 @@
  *   - kernel launches burn CPU for the duration the caller asks for and credit the
  *     thread's runnable time (CPU time + run-queue wait) as busy time of (process,
  *     device). A frozen or stopped process is not runnable, so it accrues no busy time.
+ *   - kernels on one device contend for its execution engine (simstate.h): a kernel
+ *     runs only while its thread holds the engine, time-sliced with the other tenants
+ *     (or up to `lanes` at once in the MPS-like mode); waiting is sleeping, not busy.
  *
  * How a caller asks for kernel duration (the stub's one convention):
  *   cuLaunchKernel / cuLaunchKernelEx: kernelParams[0] points to a uint64_t number of
@@ -34,11 +37,14 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -177,6 +183,8 @@ static struct alloc_rec *g_allocs;
 static size_t g_alloc_cap;
 static size_t g_alloc_used;
 static __thread struct sim_ctx *t_ctx;
+/* threads of one process take turns on a device's engine (one context per process) */
+static pthread_mutex_t g_launch_lock[SIM_MAX_DEVICES];
 static int g_client_allocated;      /* RM client allocated (rm_device_handles) */
 static uint32_t g_devices_allocated; /* devices with NV01_DEVICE_0 allocated */
 
@@ -193,6 +201,8 @@ static void atfork_child(void)
     g_allocs = NULL;
     g_alloc_cap = g_alloc_used = 0;
     pthread_mutex_init(&g_lock, NULL);
+    for (int i = 0; i < SIM_MAX_DEVICES; i++)
+        pthread_mutex_init(&g_launch_lock[i], NULL);
     sim_after_fork_child();
     sim_self_identity(&g_self);
     t_ctx = NULL;
@@ -252,8 +262,10 @@ API CUresult cuInit(unsigned int flags)
             pthread_mutex_unlock(&g_lock);
             return CUDA_ERROR_NO_DEVICE;
         }
-        for (int i = 0; i < SIM_MAX_DEVICES; i++)
+        for (int i = 0; i < SIM_MAX_DEVICES; i++) {
             g_dev_fd[i] = -1;
+            pthread_mutex_init(&g_launch_lock[i], NULL);
+        }
         sim_self_identity(&g_self);
         parse_visible();
         pthread_atfork(NULL, NULL, atfork_child);
@@ -418,6 +430,8 @@ static int claim_slot_locked(void)
     struct sim_proc *p = &h->procs[chosen];
     uint64_t gen = p->generation + 1;
     memset(p, 0, sizeof(*p));
+    for (int d = 0; d < SIM_MAX_DEVICES; d++) /* a dead waiter's place is not inherited */
+        __atomic_store_n(&h->engines[d].wait_ticket[chosen], 0, __ATOMIC_SEQ_CST);
     p->ns_pid = g_self.ns_pid;
     p->pidns_ino = g_self.pidns_ino;
     p->start_ticks = g_self.start_ticks;
@@ -817,6 +831,165 @@ static uint64_t run_delay_ns(int fd)
     return p ? strtoull(p + 1, NULL, 10) : 0;
 }
 
+/* ---- execution engine (layout and rules: simstate.h) ---- */
+
+struct engine_hold {
+    struct sim_engine *e;
+    int lane;
+    uint64_t word; /* the lane word as this thread last wrote it */
+};
+
+static void futex_wait(uint32_t *addr, uint32_t val, uint64_t timeout_ns)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)(timeout_ns / 1000000000ULL);
+    ts.tv_nsec = (long)(timeout_ns % 1000000000ULL);
+    /* shared (not FUTEX_PRIVATE): waiters and wakers are different processes mapping
+     * the same file; EINTR, EAGAIN and ETIMEDOUT all mean "look again" */
+    (void)syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(uint32_t *addr)
+{
+    (void)syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static unsigned engine_lanes(const struct sim_engine *e)
+{
+    unsigned n = __atomic_load_n(&e->lanes, __ATOMIC_RELAXED);
+    return n < 1 ? 1 : n > SIM_MAX_LANES ? SIM_MAX_LANES : n;
+}
+
+static uint32_t scan_limit(void)
+{
+    uint32_t hw = __atomic_load_n(&g_sim.hdr->proc_high_water, __ATOMIC_ACQUIRE);
+    return hw > SIM_MAX_PROCS ? SIM_MAX_PROCS : hw;
+}
+
+static int waiter_fresh(const struct sim_engine *e, uint32_t s, uint64_t now_ns)
+{
+    uint64_t seen = __atomic_load_n(&e->wait_seen_ns[s], __ATOMIC_SEQ_CST);
+    return !(now_ns > seen && now_ns - seen > SIM_WAITER_STALE_NS);
+}
+
+/* live waiters with a ticket below `ticket` (0: any ticket), the caller's slot excluded */
+static unsigned waiters_ahead(const struct sim_engine *e, uint64_t ticket, int self, uint64_t now_ns)
+{
+    unsigned n = 0;
+    uint32_t limit = scan_limit();
+    for (uint32_t s = 0; s < limit; s++) {
+        uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
+        if (!t || (int)s == self || (ticket && t >= ticket))
+            continue;
+        if (waiter_fresh(e, s, now_ns))
+            n++;
+    }
+    return n;
+}
+
+/* wake the first `count` live waiters in line (they take the lanes just freed) */
+static void wake_first_waiters(struct sim_engine *e, unsigned count)
+{
+    uint64_t now = sim_monotonic_ns(), after = 0;
+    uint32_t limit = scan_limit();
+    for (unsigned k = 0; k < count; k++) {
+        int best = -1;
+        uint64_t best_ticket = UINT64_MAX;
+        for (uint32_t s = 0; s < limit; s++) {
+            uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
+            if (t && t > after && t < best_ticket && waiter_fresh(e, s, now)) {
+                best = (int)s;
+                best_ticket = t;
+            }
+        }
+        if (best < 0)
+            return;
+        __atomic_add_fetch(&e->wait_wake[best], 1, __ATOMIC_SEQ_CST);
+        futex_wake(&e->wait_wake[best]);
+        after = best_ticket;
+    }
+}
+
+/*
+ * Wait for a lane of device `phys` and take it. Waiters are served in ticket order
+ * among the live ones; a lane is free when its word is 0 or its holder stopped
+ * renewing it (frozen, stopped, dead). Returns 0 holding a lane, -1 when the device
+ * was lost meanwhile. The time spent here is recorded as engine wait, never as busy.
+ */
+static int engine_acquire(struct engine_hold *hd, int phys, int slot)
+{
+    struct sim_header *h = g_sim.hdr;
+    struct sim_engine *e = &h->engines[phys];
+    uint64_t start = sim_monotonic_ns();
+    uint64_t ticket = __atomic_add_fetch(&e->next_ticket, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&e->wait_seen_ns[slot], start, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&e->wait_ticket[slot], ticket, __ATOMIC_SEQ_CST);
+    int rc = -1;
+    while (!__atomic_load_n(&h->devices[phys].lost, __ATOMIC_ACQUIRE)) {
+        uint32_t seq = __atomic_load_n(&e->wait_wake[slot], __ATOMIC_SEQ_CST);
+        uint64_t now = sim_monotonic_ns(), now_us = now / 1000ULL;
+        __atomic_store_n(&e->wait_seen_ns[slot], now, __ATOMIC_SEQ_CST);
+        unsigned lanes = engine_lanes(e), nfree = 0;
+        for (unsigned l = 0; l < lanes; l++)
+            nfree += (unsigned)sim_engine_word_free(__atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST), now_us);
+        unsigned ahead = waiters_ahead(e, ticket, slot, now);
+        if (ahead < nfree) {
+            for (unsigned l = 0; l < lanes && rc < 0; l++) {
+                uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
+                if (!sim_engine_word_free(w, now_us))
+                    continue;
+                uint64_t mine = sim_engine_word(now_us, slot, 0);
+                uint64_t seen = w;
+                if (__atomic_compare_exchange_n(&e->lane[l], &w, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                    hd->e = e;
+                    hd->lane = (int)l;
+                    hd->word = mine;
+                    __atomic_add_fetch(&e->acquisitions, 1, __ATOMIC_RELAXED);
+                    if (seen && sim_engine_word_stale(seen, now_us))
+                        __atomic_add_fetch(&e->steals, 1, __ATOMIC_RELAXED);
+                    else if (seen)
+                        __atomic_add_fetch(&e->yields, 1, __ATOMIC_RELAXED);
+                    rc = 0;
+                }
+            }
+            if (rc == 0)
+                break;
+            continue; /* lost a race for the lane: look again at once */
+        }
+        /* asleep until a release wakes us (we are first in line) or the poll interval
+         * passes: the first in line polls fast, to notice a holder that stopped renewing */
+        futex_wait(&e->wait_wake[slot], seq, ahead == 0 ? SIM_FIRST_WAITER_POLL_NS : SIM_WAITER_POLL_NS);
+    }
+    __atomic_store_n(&e->wait_ticket[slot], 0, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&h->procs[slot].engine_wait_ns_total[phys], sim_monotonic_ns() - start, __ATOMIC_RELAXED);
+    return rc;
+}
+
+/* Prove the holder is running (and, with `offer`, offer the lane to the first waiter from
+ * now on): 1 while it still holds its lane, 0 when the lane was taken -- by the waiter it
+ * offered it to, or because it had stopped renewing it (frozen, stopped, starved). */
+static int engine_renew(struct engine_hold *hd, int slot, int offer)
+{
+    uint64_t now_us = sim_monotonic_ns() / 1000ULL;
+    uint64_t flags = offer ? SIM_ENGINE_YIELD : (hd->word & SIM_ENGINE_YIELD);
+    uint64_t fresh = sim_engine_word(now_us, slot, flags);
+    if (fresh == hd->word)
+        return 1;
+    uint64_t expected = hd->word;
+    if (!__atomic_compare_exchange_n(&hd->e->lane[hd->lane], &expected, fresh, 0, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_SEQ_CST))
+        return 0;
+    hd->word = fresh;
+    return 1;
+}
+
+static void engine_release(struct engine_hold *hd)
+{
+    uint64_t expected = hd->word;
+    if (__atomic_compare_exchange_n(&hd->e->lane[hd->lane], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        wake_first_waiters(hd->e, 1);
+}
+
 /*
  * A kernel of `duration_us` is that much *runnable* time of the calling thread: CPU
  * time (CLOCK_THREAD_CPUTIME_ID) plus time spent waiting on a run queue
@@ -824,6 +997,13 @@ static uint64_t run_delay_ns(int fd)
  * simulated GPU's utilisation, while a frozen or stopped process -- neither running
  * nor runnable -- accrues nothing. Busy time is credited as it accrues, at the wall
  * time it accrues.
+ *
+ * The kernel runs only while its thread holds the device's execution engine
+ * (simstate.h): it waits (asleep) for it, renews it on every step of the spin, offers it
+ * to the first waiter at the end of each time slice (running on until it is taken, then
+ * queueing again), and discards a step during which the engine was taken from it. So the busy time of all tenants of a
+ * device never adds up to more than the wall time (times the lanes of the MPS-like
+ * mode), and co-tenants slow each other down as on a time-sliced GPU.
  */
 static CUresult run_kernel(uint64_t duration_us)
 {
@@ -836,35 +1016,82 @@ static CUresult run_kernel(uint64_t duration_us)
     if (slot < 0)
         return CUDA_ERROR_UNKNOWN;
     struct sim_proc *p = &g_sim.hdr->procs[slot];
+    struct sim_engine *e = &g_sim.hdr->engines[phys];
     __atomic_fetch_add(&p->launches[phys], 1, __ATOMIC_RELAXED);
+    if (duration_us == 0)
+        return CUDA_SUCCESS; /* an empty kernel needs no engine time */
+    pthread_mutex_lock(&g_launch_lock[phys]);
+    struct engine_hold hold;
+    if (engine_acquire(&hold, phys, slot) < 0) {
+        pthread_mutex_unlock(&g_launch_lock[phys]);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
     int sfd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
-    uint64_t target = duration_us * 1000ULL, done = 0, pending = 0;
+    uint64_t target = duration_us * 1000ULL, done = 0, pending = 0, slice = 0;
+    uint64_t timeslice = (uint64_t)__atomic_load_n(&e->timeslice_us, __ATOMIC_RELAXED) * 1000ULL;
+    if (timeslice == 0)
+        timeslice = (uint64_t)SIM_DEFAULT_TIMESLICE_US * 1000ULL;
     uint64_t c0 = thread_cpu_ns(), d0 = run_delay_ns(sfd);
     uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
+    CUresult rc = CUDA_SUCCESS;
     while (done < target) {
+        /* short steps while the lane is offered: the waiter's take is noticed within a few
+         * microseconds, and the step it interrupts (discarded) is short */
+        int steps = (hold.word & SIM_ENGINE_YIELD) ? 2000 : 20000;
         uint64_t x = g_sink;
-        for (int i = 0; i < 20000; i++)
+        for (int i = 0; i < steps; i++)
             x = x * 6364136223846793005ULL + 1442695040888963407ULL;
         g_sink = x;
         uint64_t c = thread_cpu_ns(), dl = run_delay_ns(sfd);
         uint64_t d = (c - c0) + (dl >= d0 ? dl - d0 : 0);
         c0 = c;
         d0 = dl;
+        uint64_t now = sim_realtime_ns();
+        if (!engine_renew(&hold, slot, 0)) {
+            /* the engine was taken during this step -- by the waiter it was offered to, or
+             * because this thread was not running (frozen, stopped, starved): the step
+             * did not (all) run on the engine, so it is not work done */
+            if (pending) {
+                credit_busy(p, phys, pending, now);
+                pending = 0;
+            }
+            if (engine_acquire(&hold, phys, slot) < 0) {
+                rc = CUDA_ERROR_DEVICE_UNAVAILABLE;
+                goto out;
+            }
+            c0 = thread_cpu_ns();
+            d0 = run_delay_ns(sfd);
+            slice = 0;
+            bucket = sim_realtime_ns() / SIM_BUCKET_NS;
+            continue;
+        }
         /* not clipped: a preemption at the end of a kernel lengthens it, as the launch
          * call really took that long while runnable */
         done += d;
         pending += d;
-        uint64_t now = sim_realtime_ns();
+        slice += d;
         /* flush at bucket boundaries and at least every ~2 ms of work */
         if (now / SIM_BUCKET_NS != bucket || pending >= 2000000ULL || done >= target) {
             credit_busy(p, phys, pending, now);
             pending = 0;
             bucket = now / SIM_BUCKET_NS;
         }
+        if (slice >= timeslice && done < target) {
+            /* end of the time slice: if someone waits, offer the lane to the first in
+             * line and keep running until it takes it (no idle hand-over gap) */
+            slice = 0;
+            if (waiters_ahead(e, 0, slot, sim_monotonic_ns()) > 0 && engine_renew(&hold, slot, 1))
+                wake_first_waiters(e, 1);
+        }
     }
+    engine_release(&hold);
+out:
+    if (pending)
+        credit_busy(p, phys, pending, sim_realtime_ns());
     if (sfd >= 0)
         close(sfd);
-    return CUDA_SUCCESS;
+    pthread_mutex_unlock(&g_launch_lock[phys]);
+    return rc;
 }
 
 API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)

@@ -1552,10 +1552,11 @@ API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 /* Create (or replace) a node's state file. Returns 0 or -errno. */
 API int gpuwatchsim_create(const char *path, const char *node_name, const char *root, unsigned device_count,
                            const char *model, unsigned long long memory_bytes, unsigned rm_alloc_params,
-                           unsigned rm_device_handles, unsigned topology)
+                           unsigned rm_device_handles, unsigned topology, unsigned engine_lanes,
+                           unsigned timeslice_us)
 {
     if (!path || !node_name || !root || !model || device_count == 0 || device_count > SIM_MAX_DEVICES ||
-        topology > SIM_TOPO_NVSWITCH)
+        topology > SIM_TOPO_NVSWITCH || engine_lanes < 1 || engine_lanes > SIM_MAX_LANES || timeslice_us == 0)
         return -EINVAL;
     char tmp[SIM_PATH_LEN + 16];
     snprintf(tmp, sizeof(tmp), "%s.tmp%d", path, (int)getpid());
@@ -1605,6 +1606,8 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
         d->cc_minor = 0;
         d->sm_clock_max_mhz = 1980;
         d->mem_clock_max_mhz = 2619;
+        h->engines[i].lanes = engine_lanes;
+        h->engines[i].timeslice_us = timeslice_us;
     }
     __atomic_store_n(&h->magic, SIM_MAGIC, __ATOMIC_RELEASE);
     msync(h, sizeof(*h), MS_SYNC);
@@ -1868,6 +1871,7 @@ struct gpuwatchsim_proc_info {
     uint64_t allocations;
     uint64_t busy_ns_total;
     uint64_t launches;
+    uint64_t engine_wait_ns_total;
 };
 
 /* List live (process, device) pairs with a context or memory. Returns the number of
@@ -1907,6 +1911,7 @@ API int gpuwatchsim_list(const char *path, struct gpuwatchsim_proc_info *out, un
             o->allocations = p->allocations[dv];
             o->busy_ns_total = __atomic_load_n(&p->busy_ns_total[dv], __ATOMIC_RELAXED);
             o->launches = __atomic_load_n(&p->launches[dv], __ATOMIC_RELAXED);
+            o->engine_wait_ns_total = __atomic_load_n(&p->engine_wait_ns_total[dv], __ATOMIC_RELAXED);
         }
     }
     flock(h.fd, LOCK_UN);
@@ -1977,6 +1982,62 @@ API int gpuwatchsim_node(const char *path, char *root, unsigned root_len, unsign
         *topology = h.hdr->topology;
     helper_close(&h);
     return n;
+}
+
+struct gpuwatchsim_engine_info {
+    uint32_t lanes;
+    uint32_t timeslice_us;
+    uint64_t acquisitions;
+    uint64_t steals;
+    uint64_t yields;
+    uint32_t holders;                     /* lanes held now by a running holder */
+    uint32_t waiters;                     /* live waiters now */
+    int32_t holder_pids[SIM_MAX_LANES];   /* per lane: running holder's pid here (0 unknown), -1 none */
+};
+
+/* The execution engine of one device: mode, counters and who holds it now. A lane whose
+ * holder stopped renewing it (frozen, stopped, dead) counts as free. Returns 0 or -errno. */
+API int gpuwatchsim_engine(const char *path, unsigned device, struct gpuwatchsim_engine_info *out)
+{
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    if (device >= h.hdr->device_count) {
+        helper_close(&h);
+        return -ENODEV;
+    }
+    struct sim_engine *e = &h.hdr->engines[device];
+    memset(out, 0, sizeof(*out));
+    out->lanes = e->lanes;
+    out->timeslice_us = e->timeslice_us;
+    out->acquisitions = __atomic_load_n(&e->acquisitions, __ATOMIC_RELAXED);
+    out->steals = __atomic_load_n(&e->steals, __ATOMIC_RELAXED);
+    out->yields = __atomic_load_n(&e->yields, __ATOMIC_RELAXED);
+    struct sim_self self;
+    sim_self_identity(&self);
+    uint64_t now = sim_monotonic_ns();
+    for (unsigned l = 0; l < SIM_MAX_LANES; l++) {
+        out->holder_pids[l] = -1;
+        if (l >= e->lanes)
+            continue;
+        uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
+        if (sim_engine_word_stale(w, now / 1000ULL))
+            continue;
+        int slot = sim_engine_word_slot(w);
+        int pid = slot >= 0 && slot < SIM_MAX_PROCS ? sim_slot_owner(&h, slot, &self) : -1;
+        out->holder_pids[l] = pid < 0 ? 0 : pid;
+        out->holders++;
+    }
+    uint32_t hw = h.hdr->proc_high_water;
+    for (uint32_t s = 0; s < hw && s < SIM_MAX_PROCS; s++) {
+        uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
+        uint64_t seen = __atomic_load_n(&e->wait_seen_ns[s], __ATOMIC_SEQ_CST);
+        if (t && !(now > seen && now - seen > SIM_WAITER_STALE_NS))
+            out->waiters++;
+    }
+    helper_close(&h);
+    return 0;
 }
 
 /* Size of the state header, so Python can check it built against the same layout. */

@@ -102,6 +102,13 @@ HIDDEN uint64_t sim_realtime_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+HIDDEN uint64_t sim_monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
 static uint64_t read_start_ticks(void)
 {
     char buf[1024];

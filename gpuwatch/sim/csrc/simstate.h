@@ -25,6 +25,29 @@
  *   diagnostics (`gpuwatch sim status`).
  *   Caveat of classic record locks: closing ANY descriptor of the state file in a
  *   process drops that process's locks, so neither library ever closes its descriptor.
+ *
+ * Execution engine (contention; see "engine" below and cuda.c run_kernel):
+ *   kernels launched on one simulated GPU run one at a time, as on a time-sliced GPU
+ *   (or up to `lanes` at once in the MPS-like mode). Each device has `lanes` engine
+ *   words in the shared state; a launching thread runs its kernel only while it holds
+ *   one. A holder *renews* its word (one CAS carrying the current CLOCK_MONOTONIC time)
+ *   every few tens of microseconds while it spins, so the word itself says whether its
+ *   holder is still running: a holder that stopped renewing for SIM_ENGINE_STALE_US
+ *   (cgroup-frozen, SIGSTOPped, dead, or starved of CPU that long) loses the engine to
+ *   the next waiter, which takes it with a CAS from the exact stale word. A holder
+ *   finds out at its next renewal (the CAS fails), discards the runnable time of that
+ *   last step (it did not hold the engine) and queues again. Waiting is sleeping on a
+ *   futex word of its own (`wait_wake`) -- neither CPU nor busy time. Waiters are served
+ *   in ticket order (FIFO): a release wakes the first waiter in line; a waiter
+ *   refreshes `wait_seen_ns` on every wake-up (at least every SIM_WAITER_POLL_NS; the
+ *   first in line every SIM_FIRST_WAITER_POLL_NS, to notice a stale holder) and one not
+ *   seen for SIM_WAITER_STALE_NS (frozen while waiting) does not keep its place. A
+ *   holder that has run for `timeslice_us` while others wait *offers* its lane: it sets
+ *   SIM_ENGINE_YIELD in its word, wakes the first waiter and keeps running (in short
+ *   steps) until that waiter takes the lane with a CAS; then it queues again. So the
+ *   engine never idles through a wake-up latency, co-tenants interleave at time-slice
+ *   granularity with equal shares, and a waiter that never comes costs nothing.
+ *   Threads of one process take turns on a device (one context per process).
  */
 #ifndef GPUWATCH_SIMSTATE_H
 #define GPUWATCH_SIMSTATE_H
@@ -32,7 +55,7 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x314d495357505447ULL /* "GTPWSIM1" little-endian */
-#define SIM_LAYOUT_VERSION 2u /* 2: topology, row remapping, kmsg sequence */
+#define SIM_LAYOUT_VERSION 3u /* 2: topology, row remapping, kmsg sequence; 3: execution engine */
 
 #define SIM_MAX_DEVICES 8
 #define SIM_MAX_PROCS 1024
@@ -41,6 +64,17 @@
 #define SIM_BUCKET_NS 100000000ULL /* 100 ms per bucket -> 6.4 s of history */
 #define SIM_NAME_LEN 96
 #define SIM_PATH_LEN 256
+
+/* execution engine (see the comment at the top) */
+#define SIM_MAX_LANES 8                    /* MPS-like mode: at most this many contexts at once */
+#define SIM_ENGINE_STALE_US 20000ULL       /* a holder silent this long loses the engine */
+#define SIM_WAITER_STALE_NS 50000000ULL    /* a waiter not seen this long does not keep its place */
+#define SIM_WAITER_POLL_NS 20000000ULL     /* waiters wake at least this often ... */
+#define SIM_FIRST_WAITER_POLL_NS 5000000ULL /* ... the first in line this often */
+#define SIM_DEFAULT_TIMESLICE_US 2000u     /* run time after which a holder yields to waiters */
+#define SIM_ENGINE_SLOT_BITS 12            /* engine word: (renewal time us << 12) | flags | (slot + 1) */
+#define SIM_ENGINE_YIELD (1ULL << 11)      /* the holder offers its lane to the first waiter */
+#define SIM_ENGINE_SLOT_MASK 0x7ffULL      /* slot + 1 */
 
 /* byte offset of the per-slot liveness lock (beyond the data; locks need no data) */
 #define SIM_LIVE_LOCK_BASE (1ULL << 40)
@@ -101,6 +135,27 @@ struct sim_proc {
     uint64_t busy_ns_total[SIM_MAX_DEVICES];  /* atomic */
     uint64_t launches[SIM_MAX_DEVICES];       /* atomic */
     sim_bucket_t buckets[SIM_MAX_DEVICES][SIM_BUCKETS]; /* atomic */
+    uint64_t engine_wait_ns_total[SIM_MAX_DEVICES]; /* atomic: launches waiting for the engine */
+};
+
+/* One device's execution engine. A lane word is 0 (free) or
+ * (renewal time in CLOCK_MONOTONIC microseconds << SIM_ENGINE_SLOT_BITS) | [SIM_ENGINE_YIELD]
+ * | (slot + 1): who holds it, when it last proved it is running and whether it offers the
+ * lane to a waiter, in one CAS-able word. */
+struct sim_engine {
+    uint32_t lanes;               /* contexts that run at once: 1 time-sliced, N > 1 MPS-like */
+    uint32_t timeslice_us;        /* a holder yields to waiters after this much run time */
+    uint64_t next_ticket;         /* FIFO order of waiters */
+    uint64_t acquisitions;        /* times a lane was taken */
+    uint64_t steals;              /* ... of them from a holder that stopped renewing */
+    uint64_t yields;              /* ... of them offered by a holder at the end of its slice */
+    uint64_t lane[SIM_MAX_LANES]; /* engine words, see above */
+    /* the waiting thread of each process slot (one per process and device), in dense
+     * arrays so a scan touches little memory: its ticket (0: not waiting), when it last
+     * showed it is alive (CLOCK_MONOTONIC ns), and its futex word (bumped to wake it) */
+    uint64_t wait_ticket[SIM_MAX_PROCS];
+    uint64_t wait_seen_ns[SIM_MAX_PROCS];
+    uint32_t wait_wake[SIM_MAX_PROCS];
 };
 
 struct sim_event {
@@ -128,10 +183,13 @@ struct sim_header {
     uint32_t topology;            /* SIM_TOPO_* */
     uint32_t pad0;
     uint64_t kmsg_seq;            /* next sequence number of a <root>/kmsg record */
+    struct sim_engine engines[SIM_MAX_DEVICES];
     struct sim_event events[SIM_MAX_EVENTS];
     struct sim_device devices[SIM_MAX_DEVICES];
     struct sim_proc procs[SIM_MAX_PROCS];
 };
+
+_Static_assert(SIM_MAX_PROCS < SIM_ENGINE_SLOT_MASK, "engine word holds slot + 1");
 
 /* ---- shared helpers (simstate.c), hidden inside each library ---- */
 
@@ -156,6 +214,35 @@ const char *sim_state_path(void);
 void sim_lock(struct sim_handle *h, int exclusive);
 void sim_unlock(struct sim_handle *h);
 uint64_t sim_realtime_ns(void);
+uint64_t sim_monotonic_ns(void);
+
+/* engine word helpers */
+static inline uint64_t sim_engine_word(uint64_t now_us, int slot, uint64_t flags)
+{
+    return ((now_us & ((1ULL << (64 - SIM_ENGINE_SLOT_BITS)) - 1)) << SIM_ENGINE_SLOT_BITS) | flags |
+           (uint64_t)(slot + 1);
+}
+static inline int sim_engine_word_slot(uint64_t w) /* -1 for a free lane */
+{
+    return w ? (int)(w & SIM_ENGINE_SLOT_MASK) - 1 : -1;
+}
+static inline uint64_t sim_engine_word_us(uint64_t w)
+{
+    return w >> SIM_ENGINE_SLOT_BITS;
+}
+/* 1 when a lane is free or its holder stopped renewing it (frozen, stopped, dead) */
+static inline int sim_engine_word_stale(uint64_t w, uint64_t now_us)
+{
+    if (!w)
+        return 1;
+    uint64_t t = sim_engine_word_us(w);
+    return now_us > t && now_us - t > SIM_ENGINE_STALE_US;
+}
+/* 1 when a waiter may take the lane: free, stale, or offered by its holder */
+static inline int sim_engine_word_free(uint64_t w, uint64_t now_us)
+{
+    return (w & SIM_ENGINE_YIELD) || sim_engine_word_stale(w, now_us);
+}
 
 /* identity of the calling process */
 struct sim_self {
