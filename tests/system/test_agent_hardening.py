@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -92,6 +91,7 @@ def stop_within(proc: subprocess.Popen[bytes], budget_s: float, log: Path) -> fl
         proc.kill()
         raise AssertionError(f"SIGTERM did not end the agent:\n{log.read_text()[-3000:]}") from None
     took = time.monotonic() - started
+    print(f"SIGTERM -> exit in {took:.2f}s")
     assert rc == 0, log.read_text()[-3000:]
     assert took < budget_s, f"SIGTERM took {took:.2f}s (budget {budget_s}s)"
     return took
@@ -128,7 +128,6 @@ def test_second_agent_exits_at_once_and_touches_nothing(tmp_path: Path) -> None:
                 # another state file, audit log and port: the node is still the same
                 "other state file": n.argv(free_port(), second, f"--policy={policy_file(second)}",
                                            f"--lock-file={lock}"),
-                # the default lock path is the same for every agent: env var override used by tests only
             }
             for what, second_argv in variants.items():
                 started = time.monotonic()
@@ -334,3 +333,25 @@ def test_sigterm_while_a_large_policy_reloads(tmp_path: Path) -> None:
             assert "policy reloaded" not in log.read_text(), "parsed faster than expected: test proves nothing"
             scrape(port)  # still serving while the worker parses
             stop_within(agent, SIGTERM_BUDGET_S, log)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "10MB", "dev-zero", "directory"])
+def test_bad_policy_at_start_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    with node(tmp_path, with_trainer=False) as n:
+        policy = tmp_path / "policy.yaml"
+        if kind == "fifo":
+            os.mkfifo(policy)
+        elif kind == "10MB":
+            policy.write_bytes(b"# padding\n" * (1 << 20))
+        elif kind == "dev-zero":
+            policy.symlink_to("/dev/zero")
+        else:
+            policy.mkdir()
+        argv = n.argv(free_port(), tmp_path, f"--policy={policy}", f"--lock-file={tmp_path / 'agent.lock'}")
+        started = time.monotonic()
+        done = subprocess.run(argv, env=n.env, capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode != 0
+        # (click itself refuses a directory given as --policy)
+        expect = "is a directory" if kind == "directory" else "refusing to read policy file"
+        assert expect in done.stderr, done.stderr[-3000:]
+        assert time.monotonic() - started < 15
