@@ -10,6 +10,7 @@ still running when the agent stops is simply abandoned (daemon thread).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from gpuwatch.policy.loader import load_policy
 from gpuwatch.policy.model import Policy
 
 PolicyStat = tuple[float, int, int] | None
+log = logging.getLogger(__name__)
 
 
 def policy_stat(path: str | Path) -> PolicyStat:
@@ -53,6 +55,10 @@ class PolicyLoad:
         except (RecursionError, MemoryError) as err:  # deeply nested / huge YAML: the file's fault
             self.error = PolicyError(f"policy file {self.path} cannot be parsed: {type(err).__name__}",
                                      fix="simplify the file (nesting depth, size)")
+        except Exception as err:  # a bug must not leave the enforcer waiting on a dead worker
+            log.exception("reading policy file %s failed unexpectedly", self.path)
+            self.error = PolicyError(f"policy file {self.path} could not be loaded: {type(err).__name__}: {err}",
+                                     fix="see the agent log; the running policy stays")
         finally:
             self._done.set()
 

@@ -282,12 +282,16 @@ def test_bad_policy_replacement_keeps_running_and_sigterm_ends_within_2s(tmp_pat
 
 def big_valid_policy(path: Path, target_bytes: int = 1000 * 1024) -> None:
     lines = ["version: 1", "rules:"]
+    size = sum(len(x) + 1 for x in lines)
     i = 0
-    while sum(len(x) + 1 for x in lines) < target_bytes - 200:
-        lines += [f"  - name: r{i}", f"    match: {{namespace: ns{i}}}", "    limits: {gpu_memory: 8GiB}",
-                  "    actions:", "      - {do: alert, at: 100%}"]
+    while size < target_bytes - 200:
+        rule = [f"  - name: r{i}", f"    match: {{namespace: ns{i}}}", "    limits: {gpu_memory: 8GiB}",
+                "    actions:", "      - {do: alert, at: 100%}"]
+        lines += rule
+        size += sum(len(x) + 1 for x in rule)
         i += 1
-    lines += ["  - name: d", "    match: {default: true}", "    actions:", "      - {do: alert, at: 100%}"]
+    lines += ["  - name: d", "    match: {default: true}", "    limits: {gpu_memory: 8GiB}", "    actions:",
+              "      - {do: alert, at: 100%}"]
     path.write_text("\n".join(lines) + "\n")
 
 
