@@ -12,7 +12,7 @@ import sys
 import click
 
 from gpuwatch.model import ContainerIdentity
-from gpuwatch.policy.loader import check_policy_text, load_policy
+from gpuwatch.policy.loader import check_policy_text, load_policy, read_policy_text
 from gpuwatch.policy.match import select_rule
 from gpuwatch.policy.model import Rule
 
@@ -26,11 +26,7 @@ def policy() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def check_cmd(file: str) -> None:
     """Validate FILE; print every error with its line and a fix; exit 1 if any."""
-    try:
-        with open(file, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as err:
-        raise click.ClickException(f"cannot read {file}: {err.strerror}") from err
+    text = read_policy_text(file)  # as the agent reads it: regular files only, 1 MiB, never blocks
     loaded, issues = check_policy_text(text, file)
     if issues or loaded is None:
         for issue in issues:
