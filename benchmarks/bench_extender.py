@@ -691,12 +691,12 @@ def breakdown(prom_url: str, names: Sequence[str], candidate_counts: Sequence[in
     from gpuwatch.cluster.model import ClusterState
     from gpuwatch.cluster.prometheus import PrometheusReader
     from gpuwatch.cluster.source import PrometheusCluster
-    from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, topology_queries
+    from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, static_queries
     from gpuwatch.extender.placement import PlacementConfig
     from gpuwatch.extender.service import Extender
 
     per_cycle = {**placement_queries(), **pods_queries(promised)}
-    topology = topology_queries()
+    topology = static_queries()  # GPU sizes and pair scores: the batch read once a minute
     costs = query_costs(prom_url, {**per_cycle, **topology}, reps)
     reader = PrometheusReader(prom_url, timeout_s=60, cache_s=0)
     placement_ms, topology_ms, build_ms = [], [], []
@@ -710,7 +710,7 @@ def breakdown(prom_url: str, names: Sequence[str], candidate_counts: Sequence[in
             pairs = reader.query_batch(topology)
             topology_ms.append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
-            state = build_state({**results, **pairs}, time.time())
+            state = build_state({**results, **pairs}, time.time(), health_complete=False)
             build_ms.append((time.perf_counter() - started) * 1000)
         samples = sum(len(v) for v in results.values())
         topology_samples = sum(len(v) for v in pairs.values())
@@ -720,7 +720,7 @@ def breakdown(prom_url: str, names: Sequence[str], candidate_counts: Sequence[in
         base = tracemalloc.get_traced_memory()[0]
         results = {**reader.query_batch(per_cycle), **reader.query_batch(topology)}
         batch_mib = (tracemalloc.get_traced_memory()[0] - base) / MIB
-        state = build_state(results, time.time())
+        state = build_state(results, time.time(), health_complete=False)
         state_mib = (tracemalloc.get_traced_memory()[0] - base) / MIB - batch_mib
         peak_mib = (tracemalloc.get_traced_memory()[1] - base) / MIB
         tracemalloc.stop()

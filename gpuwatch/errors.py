@@ -15,6 +15,11 @@ class GpuwatchError(Exception):
     def __str__(self) -> str:
         return f"{self.message} (fix: {self.fix})" if self.fix else self.message
 
+    def __reduce__(self) -> tuple[type[GpuwatchError], tuple[str, str]]:
+        # pickled whole (message and fix): errors cross process boundaries (the extender's
+        # cluster-view worker); subclasses keep the (message, fix) positional signature
+        return self.__class__, (self.message, self.fix)
+
 
 class NvmlUnavailable(GpuwatchError):
     """libnvidia-ml could not be loaded or initialised."""

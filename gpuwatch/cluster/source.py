@@ -1,29 +1,32 @@
 """The cluster view from a live Prometheus, for placement decisions (the extender).
 
-One refresh = one batch of instant queries (`placement_queries`, plus the pods just placed
-and, every `topology_cache_s`, the static pair scores) and one `build_state`. Serving:
+A refresh is one batch of instant queries (`placement_queries` plus the pods placed moments
+ago; every `static_every_s` also GPU sizes and pair scores) turned into a ClusterState by
+`refresher.refresh` -- in a worker process by default, so parsing thousands of series
+neither stalls requests on the GIL nor leaves its memory peak in the server. Serving:
 
-* a state younger than `cache_s` (1 s) is served as is: one refresh per scheduling burst;
-* a state younger than `revalidate_s` (10 s) is served while one background thread
-  refreshes it (stale-while-revalidate): a request never waits for Prometheus or for
-  parsing thousands of series once the extender is warm;
-* older (or none yet): the request refreshes synchronously, with the reader's timeout,
-  and a failure raises (filter turns it into its Error field).
-A background refresh that fails is logged once and leaves the state to age into the
+* a view younger than `cache_s` (1 s) is served as is: one refresh per scheduling burst;
+* a view younger than `revalidate_s` (10 s) is served while one background refresh runs
+  (stale-while-revalidate): a request never waits for Prometheus once the extender is warm;
+* older (or none yet): the request refreshes synchronously (bounded by the reader's
+  timeout) and a failure raises (filter turns it into its Error field).
+A background refresh that fails is logged once and leaves the view to age into the
 synchronous path, so a Prometheus outage shows up as errors within `revalidate_s`.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
+from gpuwatch.cluster import refresher
 from gpuwatch.cluster.model import ClusterState
-from gpuwatch.cluster.prometheus import PrometheusError, PrometheusReader
-from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, topology_queries
+from gpuwatch.cluster.prometheus import PrometheusError, PrometheusTimeout
 
 log = logging.getLogger(__name__)
 
@@ -32,37 +35,34 @@ class PrometheusCluster:
     """`state(pod_uids)` -> a recent ClusterState (raises PrometheusError when none can be had)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, cache_s: float = 1.0, revalidate_s: float = 10.0,
-                 topology_cache_s: float = 60.0, wall_clock: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.reader = PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0)
+                 static_every_s: float = 60.0, *, worker_process: bool = True,
+                 wall_clock: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
         self.cache_s = cache_s
         self.revalidate_s = max(revalidate_s, cache_s)
-        self.topology_cache_s = topology_cache_s
+        self.static_every_s = static_every_s
         self._wall_clock = wall_clock
         self._clock = clock
+        self._worker_process = worker_process
+        self._pool: ProcessPoolExecutor | None = None
+        if not worker_process:
+            refresher.init_worker(url, timeout_s)
         self._lock = threading.Lock()  # guards the fields below
         self._sync = threading.Lock()  # one synchronous refresh at a time
         self._state: ClusterState | None = None
         self._built_at = float("-inf")
-        self._topology: dict[str, Any] = {}
-        self._topology_at = float("-inf")
-        self._pods: frozenset[str] = frozenset()
+        self._pods: tuple[str, ...] = ()
         self._background: threading.Thread | None = None
         self._warned = False
         self.refreshes_total = 0
+        self.queries_total = 0
+        self.errors_total = 0
         self.last_refresh_seconds = 0.0
-
-    @property
-    def errors_total(self) -> int:
-        return self.reader.errors_total
-
-    @property
-    def queries_total(self) -> int:
-        return self.reader.queries_total
 
     def state(self, pod_uids: Collection[str] = ()) -> ClusterState:
         with self._lock:
-            self._pods = frozenset(pod_uids)
+            self._pods = tuple(sorted(pod_uids))
             state, age = self._state, self._clock() - self._built_at
             if state is not None and age < self.cache_s:
                 return state
@@ -79,7 +79,11 @@ class PrometheusCluster:
             return self._refresh()
 
     def close(self) -> None:
-        self.reader.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if not self._worker_process:
+            refresher.close_worker()
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -96,24 +100,37 @@ class PrometheusCluster:
             with self._lock:
                 self._background = None
 
+    def _run(self, pods: list[str]) -> refresher.Refreshed:
+        wall_now = self._wall_clock()
+        if not self._worker_process:
+            return refresher.refresh(pods, self.static_every_s, wall_now)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=refresher.init_worker, initargs=(self.url, self.timeout_s))
+        future = self._pool.submit(refresher.refresh, pods, self.static_every_s, wall_now)
+        try:
+            # the static batch and a cold worker (spawn + imports) take longer than one query
+            return future.result(timeout=4 * self.timeout_s + 10)
+        except BrokenProcessPool as err:
+            self._pool = None  # a new worker next time
+            raise PrometheusError("the cluster-view worker process died", fix="see the extender's log") from err
+        except TimeoutError as err:
+            raise PrometheusTimeout(f"refreshing the cluster view from {self.url} took too long",
+                                    fix="check Prometheus' load; raise --prometheus-timeout") from err
+
     def _refresh(self) -> ClusterState:
         started = time.monotonic()
         with self._lock:
-            pods = self._pods
-            topology_due = self._clock() - self._topology_at >= self.topology_cache_s
-        queries = {**placement_queries(), **pods_queries(pods)}
-        if topology_due:
-            queries.update(topology_queries())
-        results = self.reader.query_batch(queries)
-        now = self._clock()
+            pods = list(self._pods)
+        try:
+            done = self._run(pods)
+        except PrometheusError:
+            with self._lock:
+                self.errors_total += 1
+            raise
         with self._lock:
-            if topology_due:
-                self._topology = {"pair_score": results["pair_score"]}
-                self._topology_at = now
-            merged = {**results, **self._topology}
-        state = build_state(merged, self._wall_clock())
-        with self._lock:
-            self._state, self._built_at = state, now
+            self._state, self._built_at = done.state, self._clock()
             self.refreshes_total += 1
+            self.queries_total += done.queries
             self.last_refresh_seconds = time.monotonic() - started
-        return state
+        return done.state

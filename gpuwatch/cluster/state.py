@@ -100,27 +100,28 @@ CLUSTER_QUERIES: dict[str, str] = cluster_queries()
 
 
 def placement_queries() -> dict[str, str]:
-    """The smaller batch a placement decision needs (the extender's, per scheduling cycle).
+    """The small batch a placement decision needs every scheduling cycle (the extender's).
 
-    Only what filter and prioritize read, shaped to ship as few series as possible at
-    1,000 nodes: GPU size and free memory and health (one series per GPU each; health
-    without uuid/model labels), tenants and exclusive holders only where there are any,
-    node freshness, network and namespace totals. No per-container series (the bulk of
-    the data; see `pods_queries`) and no pair scores (static: `topology_queries`).
+    Shaped to ship as few series as possible at 1,000 nodes: free memory (one series per
+    GPU), and only the exceptions -- unhealthy GPUs, GPUs with tenants, exclusive holders --
+    plus node freshness, network and namespace totals. No per-container series (the bulk of
+    the data; see `pods_queries`) and nothing static (`static_queries`). `build_state` must be
+    called with ``health_complete=False`` on it: a GPU without a health series is healthy.
     """
     full = cluster_queries(containers=False)
-    keep = ("gpu_memory_total", "gpu_memory_free", "backend_up", "last_scrape", "network_speed",
-            "network_throughput", "rdma", "namespace_memory", "namespace_quota")
+    keep = ("gpu_memory_free", "backend_up", "last_scrape", "network_speed", "network_throughput", "rdma",
+            "namespace_memory", "namespace_quota")
     queries = {name: full[name] for name in keep}
-    queries["gpu_healthy"] = f"max by (node, gpu, reason, xid) (gpuwatch_gpu_healthy{{{PHYSICAL}}})"
+    queries["gpu_healthy"] = f"max by (node, gpu, reason, xid) (gpuwatch_gpu_healthy{{{PHYSICAL}}}) == 0"
     queries["gpu_tenants"] = f"max by (node, gpu) (gpuwatch_gpu_tenants{{{PHYSICAL}}}) > 0"
     queries["gpu_exclusive"] = f"max by (node, gpu) (gpuwatch_gpu_exclusive{{{PHYSICAL}}}) > 0"
     return queries
 
 
-def topology_queries() -> dict[str, str]:
-    """Pair scores: n*(n-1) series per node that change only with the hardware."""
-    return {"pair_score": cluster_queries(containers=False)["pair_score"]}
+def static_queries() -> dict[str, str]:
+    """What changes only with the hardware: GPU sizes, and the pair scores (n*(n-1) series per node)."""
+    full = cluster_queries(containers=False)
+    return {"gpu_memory_total": full["gpu_memory_total"], "pair_score": full["pair_score"]}
 
 
 def pods_queries(pod_uids: Iterable[str]) -> dict[str, str]:
@@ -292,12 +293,14 @@ def _container_counts(results: ResultsLike) -> dict[tuple[str, int], int]:
     return physical
 
 
-def build_state(results: ResultsLike, now_s: float) -> ClusterState:
+def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = True) -> ClusterState:
     """The ClusterState of one batch of `cluster_queries()` results read at Unix time ``now_s``.
 
     Pure. ``results`` maps query names to samples ``(labels, value, timestamp)``; a query
     that is absent or empty means "no data" for what it feeds. Nodes are every node label
-    seen in any query; nodes, GPUs and containers come out sorted.
+    seen in any query; nodes, GPUs and containers come out sorted. ``health_complete=False``
+    (the `placement_queries` batch, which asks only for unhealthy GPUs): a GPU with no health
+    series is healthy instead of "unknown".
     """
     health = _health(results)
     totals = _per_gpu(results, "gpu_memory_total")
@@ -327,8 +330,8 @@ def build_state(results: ResultsLike, now_s: float) -> ClusterState:
             uuid=verdict.uuid if verdict else "", model=verdict.model if verdict else "",
             memory_total_bytes=totals.get(key), memory_used_bytes=used.get(key),
             memory_free_bytes=free.get(key), utilization_ratio=util.get(key),
-            healthy=verdict.healthy if verdict else False,
-            reason=verdict.reason if verdict else "unknown",
+            healthy=verdict.healthy if verdict else not health_complete,
+            reason=verdict.reason if verdict else ("unknown" if health_complete else "ok"),
             xid=verdict.xid if verdict else None,
             tenants=int(count) if count is not None else counted.get(key, 0),
             exclusive=exclusive.get(key, 0.0) > 0,

@@ -1,0 +1,67 @@
+"""One refresh of the placement view: query Prometheus, build the ClusterState.
+
+Runs in a worker process of the extender (`source.PrometheusCluster`): parsing tens of
+thousands of series is CPU work under Python's GIL, and in the serving process it would
+stall every request that overlaps it; in its own process it runs on another core and
+its memory peak (the raw answers) stays out of the server. The static part (GPU sizes,
+pair scores) is fetched every `static_every_s` and kept here, never shipped back raw.
+Functions here also run in-process (the tests, `worker_process=False`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatch.cluster.model import ClusterState
+from gpuwatch.cluster.prometheus import PrometheusReader
+from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, static_queries
+
+
+@dataclass
+class _Worker:
+    reader: PrometheusReader
+    static: dict[str, Any] | None = None
+    static_at: float = float("-inf")
+
+
+_worker: _Worker | None = None
+
+
+def init_worker(url: str, timeout_s: float) -> None:
+    """Process initializer: one pooled reader for the life of the worker."""
+    global _worker
+    _worker = _Worker(PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0))
+
+
+@dataclass(frozen=True)
+class Refreshed:
+    state: ClusterState
+    queries: int  # queries this refresh made
+    static_refreshed: bool
+
+
+def refresh(pod_uids: list[str], static_every_s: float, wall_now_s: float) -> Refreshed:
+    """Query the placement batch (and the static batch when due) and build the state."""
+    worker = _worker
+    if worker is None:
+        raise RuntimeError("refresh() before init_worker()")
+    static_due = worker.static is None or time.monotonic() - worker.static_at >= static_every_s
+    queries = {**placement_queries(), **pods_queries(pod_uids)}
+    if static_due:
+        queries.update(static_queries())
+    results = worker.reader.query_batch(queries)
+    if static_due:
+        worker.static = {name: results[name] for name in static_queries()}
+        worker.static_at = time.monotonic()
+    assert worker.static is not None
+    state = build_state({**results, **worker.static}, wall_now_s, health_complete=False)
+    return Refreshed(state, len(queries), static_due)
+
+
+def close_worker() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.reader.close()
+        _worker = None
