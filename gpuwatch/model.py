@@ -289,6 +289,37 @@ class NodeSignals:
 
 
 @dataclass(frozen=True)
+class ContainerProgress:
+    """One container's evaluation function (gpuwatch.io/progress-file), read this interval.
+
+    Read by gpuwatch/signals/progress.py; `value` is the last good value (kept when a read
+    fails), rates cover the last `window_s` seconds of good reads and are signed so that
+    positive is progress in the goal's direction. None = not known (yet)."""
+
+    identity: ContainerIdentity
+    path: str  # the file, as the container sees it
+    goal: str = "minimize"  # or "maximize"
+    value: float | None = None
+    updated_s: float | None = None  # sampler clock (monotonic) of the last good read
+    rate_per_gpu_second: float | None = None  # evaluation gained per GPU-second of the container
+    rate_per_second: float | None = None  # evaluation gained per wall second
+    window_s: float = 0.0  # wall time the rates span
+    window_kernel_seconds: float = 0.0  # the container's GPU-seconds in that span
+    kernel_seconds_total: float = 0.0  # the container's kernel seconds on all its GPUs, now
+    first_value: float | None = None  # the first good value read, and
+    first_kernel_seconds: float | None = None  # the container's kernel seconds at that read
+    reads_total: int = 0
+    errors_total: int = 0
+    errors_by_reason: tuple[tuple[str, int], ...] = ()  # (reason, count), signals.progress.ERROR_REASONS
+    last_error: str = ""  # why the last read failed; "" when it succeeded
+
+    @property
+    def direction(self) -> float:
+        """+1 when larger values are better (maximize), -1 when smaller are (minimize)."""
+        return 1.0 if self.goal == "maximize" else -1.0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The one published view of the node for one sample interval."""
 
@@ -312,6 +343,7 @@ class Snapshot:
     signals: NodeSignals | None = None
     driver_version: str | None = None
     cuda_driver_version: int | None = None
+    progress: tuple[ContainerProgress, ...] = ()  # per container that declared a progress file
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)

@@ -1,8 +1,9 @@
 """The sampling loop: read sources, attribute, publish one immutable Snapshot.
 
 Each cycle: one GPU backend sweep -> identities of the pids it listed -> probe counters
-(optional) -> `attribute()` -> a new `Snapshot`, published by a single attribute
-assignment (`latest()` is a plain read, no lock: the Snapshot is immutable).
+(optional) -> `attribute()` -> node signals and progress files (optional) -> a new
+`Snapshot`, published by a single attribute assignment (`latest()` is a plain read, no
+lock: the Snapshot is immutable).
 
 Failure handling: a sweep that fails (driver gone, simulated node down) or a backend
 that cannot be created publishes a snapshot with ``gpu_up=False``, ``gpu_error`` set and
@@ -31,6 +32,7 @@ from gpuwatch.errors import GpuwatchError
 from gpuwatch.gpu.backend import GpuBackend
 from gpuwatch.model import (
     ContainerIdentity,
+    ContainerProgress,
     ContainerUsage,
     DeviceInfo,
     GpuSweep,
@@ -74,13 +76,21 @@ class SignalSource(Protocol):
     def close(self) -> None: ...
 
 
+class ProgressSource(Protocol):
+    """Containers' evaluation functions, read once per cycle (gpuwatch.signals.progress)."""
+
+    def collect(self, containers: Sequence[ContainerUsage], now_s: float | None = None
+                ) -> tuple[ContainerProgress, ...]: ...
+
+
 class Sampler:
     """Builds and publishes one Snapshot per interval; survives GPU backend failures."""
 
     def __init__(self, backend_factory: Callable[[], GpuBackend], resolver: IdentitySource, node: str,
                  interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  probe_source: ProbeSource | None = None, *, max_backoff_s: float = 30.0,
-                 signal_source: SignalSource | None = None) -> None:
+                 signal_source: SignalSource | None = None, progress_source: ProgressSource | None = None
+                 ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self._factory = backend_factory
@@ -90,6 +100,7 @@ class Sampler:
         self._clock = clock
         self._probe_source = probe_source
         self._signal_source = signal_source
+        self._progress_source = progress_source
         self._max_backoff_s = max(max_backoff_s, interval_s)
         self._backend: GpuBackend | None = None
         self._backoff_s = interval_s
@@ -233,6 +244,7 @@ class Sampler:
         probe_identities = self._probe_identities(counters)
         containers = _merge_probes(result.containers, counters, probe_identities)
         signals = self._signals(sweep.devices, sweep.topology, containers, identities)
+        progress = self._progress(containers, now_s)
         devices = apply_health(sweep.devices, signals.health) if signals is not None else sweep.devices
         return Snapshot(
             timestamp_s=sweep.timestamp_s, node=self.node, devices=devices, containers=containers,
@@ -241,6 +253,7 @@ class Sampler:
             interval_s=self.interval_s, simulated=any(d.simulated for d in sweep.devices),
             notes=notes + sweep.errors, gpu_errors_total=self._gpu_errors_total, signals=signals,
             driver_version=sweep.driver_version, cuda_driver_version=sweep.cuda_driver_version,
+            progress=progress,
         )
 
     def _signals(self, devices: Sequence[DeviceInfo] | None, topology: GpuTopology | None,
@@ -253,6 +266,15 @@ class Sampler:
         except (GpuwatchError, OSError, ValueError) as err:  # signals are optional: the usage snapshot goes on
             log.warning("node signals failed this cycle: %s", err)
             return None
+
+    def _progress(self, containers: Sequence[ContainerUsage], now_s: float) -> tuple[ContainerProgress, ...]:
+        if self._progress_source is None:
+            return ()
+        try:
+            return self._progress_source.collect(containers, now_s)
+        except (GpuwatchError, OSError, ValueError) as err:  # progress is optional: the snapshot goes on
+            log.warning("progress files failed this cycle: %s", err)
+            return ()
 
     def _resolve_one(self, pid: int) -> ProcessIdentity | None:
         return self._resolver.resolve_pids((pid,)).get(pid)
@@ -291,18 +313,25 @@ def default_node_name() -> str:
 
 def build_sampler(nvml_library: str | None = None, interval_s: float = 1.0, node: str | None = None,
                   proc_root: str = "/proc", bundle_roots: BundleRoots | None = None,
-                  probe_source: ProbeSource | None = None, signal_source: SignalSource | None = None) -> Sampler:
+                  probe_source: ProbeSource | None = None, signal_source: SignalSource | None = None,
+                  progress_source: ProgressSource | None = None, progress: bool = True) -> Sampler:
     """The production wiring used by `gpuwatch top` and `gpuwatch agent`.
 
     The NVML backend is created lazily by the sampler (and recreated after failures),
     so a host whose driver is missing still gets snapshots saying why (`gpu_error`).
+    Containers' progress files (gpuwatch.io/progress-file) are read by a
+    `ProgressTracker` over `proc_root` unless `progress_source` replaces it or `progress`
+    is False; it costs nothing for containers that declare none.
     """
     from gpuwatch.containers import IdentityResolver
     from gpuwatch.gpu.nvml import NvmlBackend
+    from gpuwatch.signals.progress import ProgressTracker
 
     def factory() -> GpuBackend:
         return NvmlBackend(library_path=nvml_library)
 
     resolver = IdentityResolver(proc_root=proc_root, bundle_roots=bundle_roots)
+    if progress_source is None and progress:
+        progress_source = ProgressTracker(proc_root=proc_root)
     return Sampler(factory, resolver, node or default_node_name(), interval_s=interval_s,
-                   probe_source=probe_source, signal_source=signal_source)
+                   probe_source=probe_source, signal_source=signal_source, progress_source=progress_source)

@@ -13,7 +13,8 @@ and what the agent serves as /snapshot.json (consumers share this one format). I
                      "kernel_seconds_total",
                      "processes": [{pid (host), container_pid, comm, memory_bytes, ...}],
                      "probe": {...} | null}],
-     "pods": [...], "namespaces": [...], "probe_counters": [...], "notes": [...]}
+     "pods": [...], "namespaces": [...], "probe_counters": [...], "notes": [...],
+     "progress": [{"identity": {...}, "path", "goal", "value", "rate_per_gpu_second", ...}]}
 
 Readers ignore unknown keys and use defaults for optional ones, so older documents and
 newer writers interoperate. Non-finite floats (NaN/inf) are written as null.
@@ -32,6 +33,7 @@ from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import (
     ContainerIdentity,
     ContainerNetwork,
+    ContainerProgress,
     ContainerUsage,
     ContainerXid,
     DeviceInfo,
@@ -349,6 +351,12 @@ def snapshot_from_dict(data: Any) -> Snapshot:
         special["signals"] = _signals_from(data["signals"], "signals")
     if "probe_identities" in names:
         special["probe_identities"] = _probe_identities_from(data.get("probe_identities"), "probe_identities")
+    if "progress" in names:
+        special["progress"] = tuple(
+            _flat_from(ContainerProgress, p, f"progress[{i}]",
+                       identity=_identity_from(_expect_dict(p, f"progress[{i}]").get("identity"),
+                                               f"progress[{i}].identity"))
+            for i, p in enumerate(items("progress")))
     return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})
 
 

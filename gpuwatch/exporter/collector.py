@@ -12,6 +12,8 @@ Labels:
   per pod:        node, namespace, pod, pod_uid
   per namespace:  node, namespace
 Sharing (`_sharing`): gpuwatch_gpu_tenants and gpuwatch_gpu_exclusive per GPU (GPU labels).
+Progress (exporter/progress.py): gpuwatch_container_progress and _rate per container that
+declared an evaluation function (container labels without the GPU).
 A cgroup that is not a container (host processes, systemd services) is exported with
 ``container`` = its cgroup path and an empty ``container_id``, so its series stay
 distinct. A field the GPU backend could not read (N/A) is left out, never exported as 0.
@@ -36,6 +38,7 @@ from gpuwatch.exporter.labels import (
     gpu_label,
     identity_labels,
 )
+from gpuwatch.exporter.progress import progress_families
 from gpuwatch.exporter.signals import health_reason, signal_families
 from gpuwatch.model import Snapshot
 from gpuwatch.policy.sharing import exclusive_holders, gpu_users
@@ -59,7 +62,7 @@ class SnapshotCollector(Collector):
         snapshot = self._get_snapshot()
         families: list[Metric] = []
         for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, self._sharing,
-                      signal_families):
+                      signal_families, progress_families):
             try:
                 families.extend(build(snapshot))
             except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):

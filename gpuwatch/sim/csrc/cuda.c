@@ -839,6 +839,12 @@ struct engine_hold {
     uint64_t word; /* the lane word as this thread last wrote it */
 };
 
+/* runnable time of the calling thread, split as the kernel loop measures it */
+struct runnable {
+    uint64_t cpu_ns;
+    uint64_t delay_ns;
+};
+
 static void futex_wait(uint32_t *addr, uint32_t val, uint64_t timeout_ns)
 {
     struct timespec ts;
@@ -872,14 +878,14 @@ static int waiter_fresh(const struct sim_engine *e, uint32_t s, uint64_t now_ns)
     return !(now_ns > seen && now_ns - seen > SIM_WAITER_STALE_NS);
 }
 
-/* live waiters with a ticket below `ticket` (0: any ticket), the caller's slot excluded */
+/* live waiters with a ticket below `ticket`, the caller's slot excluded */
 static unsigned waiters_ahead(const struct sim_engine *e, uint64_t ticket, int self, uint64_t now_ns)
 {
     unsigned n = 0;
     uint32_t limit = scan_limit();
     for (uint32_t s = 0; s < limit; s++) {
         uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
-        if (!t || (int)s == self || (ticket && t >= ticket))
+        if (!t || (int)s == self || t >= ticket)
             continue;
         if (waiter_fresh(e, s, now_ns))
             n++;
@@ -887,68 +893,102 @@ static unsigned waiters_ahead(const struct sim_engine *e, uint64_t ticket, int s
     return n;
 }
 
-/* wake the first `count` live waiters in line (they take the lanes just freed) */
-static void wake_first_waiters(struct sim_engine *e, unsigned count)
+/* the live waiter first in line (lowest ticket), the caller's slot excluded; -1: none */
+static int first_waiter(const struct sim_engine *e, int self, uint64_t now_ns)
 {
-    uint64_t now = sim_monotonic_ns(), after = 0;
+    int best = -1;
+    uint64_t best_ticket = UINT64_MAX;
     uint32_t limit = scan_limit();
-    for (unsigned k = 0; k < count; k++) {
-        int best = -1;
-        uint64_t best_ticket = UINT64_MAX;
-        for (uint32_t s = 0; s < limit; s++) {
-            uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
-            if (t && t > after && t < best_ticket && waiter_fresh(e, s, now)) {
-                best = (int)s;
-                best_ticket = t;
-            }
+    for (uint32_t s = 0; s < limit; s++) {
+        uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
+        if (t && (int)s != self && t < best_ticket && waiter_fresh(e, s, now_ns)) {
+            best = (int)s;
+            best_ticket = t;
         }
-        if (best < 0)
-            return;
-        __atomic_add_fetch(&e->wait_wake[best], 1, __ATOMIC_SEQ_CST);
-        futex_wake(&e->wait_wake[best]);
-        after = best_ticket;
     }
+    return best;
+}
+
+static void wake_waiter(struct sim_engine *e, int s)
+{
+    __atomic_add_fetch(&e->wait_wake[s], 1, __ATOMIC_SEQ_CST);
+    futex_wake(&e->wait_wake[s]);
+}
+
+static void read_runnable(int sfd, struct runnable *r)
+{
+    r->cpu_ns = thread_cpu_ns();
+    r->delay_ns = run_delay_ns(sfd);
 }
 
 /*
- * Wait for a lane of device `phys` and take it. Waiters are served in ticket order
- * among the live ones; a lane is free when its word is 0 or its holder stopped
- * renewing it (frozen, stopped, dead). Returns 0 holding a lane, -1 when the device
- * was lost meanwhile. The time spent here is recorded as engine wait, never as busy.
+ * Wait for a lane of device `phys`. Waiters are served in ticket order among the live
+ * ones: the first in line either is handed a lane by its holder (a time-slice end or a
+ * kernel end: the lane word already names this slot when it wakes up) or takes a free
+ * one -- free meaning 0, or a holder that stopped renewing it (frozen, stopped, dead).
+ * Returns 0 holding a lane, -1 when the device was lost meanwhile. The time spent here is
+ * recorded as engine wait. `*head_ns` is the runnable time since a hand-off that counts as
+ * kernel time already (the wake-up latency: the engine was this thread's from the
+ * hand-off on), and `start` where the caller's runnable-time measurement starts.
  */
-static int engine_acquire(struct engine_hold *hd, int phys, int slot)
+static int engine_acquire(struct engine_hold *hd, int phys, int slot, int sfd, struct runnable *start,
+                          uint64_t *head_ns)
 {
     struct sim_header *h = g_sim.hdr;
     struct sim_engine *e = &h->engines[phys];
-    uint64_t start = sim_monotonic_ns();
+    uint64_t begin = sim_monotonic_ns();
     uint64_t ticket = __atomic_add_fetch(&e->next_ticket, 1, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&e->wait_seen_ns[slot], start, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&e->wait_seen_ns[slot], begin, __ATOMIC_SEQ_CST);
     __atomic_store_n(&e->wait_ticket[slot], ticket, __ATOMIC_SEQ_CST);
+    struct runnable before; /* runnable time when this thread last went to sleep */
+    read_runnable(sfd, &before);
+    *head_ns = 0;
     int rc = -1;
     while (!__atomic_load_n(&h->devices[phys].lost, __ATOMIC_ACQUIRE)) {
         uint32_t seq = __atomic_load_n(&e->wait_wake[slot], __ATOMIC_SEQ_CST);
         uint64_t now = sim_monotonic_ns(), now_us = now / 1000ULL;
         __atomic_store_n(&e->wait_seen_ns[slot], now, __ATOMIC_SEQ_CST);
         unsigned lanes = engine_lanes(e), nfree = 0;
-        for (unsigned l = 0; l < lanes; l++)
-            nfree += (unsigned)sim_engine_word_free(__atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST), now_us);
+        for (unsigned l = 0; l < lanes && rc < 0; l++) {
+            uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
+            if (sim_engine_word_slot(w) != slot || !w) {
+                nfree += (unsigned)sim_engine_word_stale(w, now_us);
+                continue;
+            }
+            /* handed to this slot: confirm with a renewal (it may have gone stale and been
+             * taken by another waiter meanwhile) */
+            uint64_t mine = sim_engine_word(now_us, slot);
+            if (__atomic_compare_exchange_n(&e->lane[l], &w, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                hd->e = e;
+                hd->lane = (int)l;
+                hd->word = mine;
+                read_runnable(sfd, start);
+                uint64_t ran = (start->cpu_ns - before.cpu_ns) +
+                               (start->delay_ns >= before.delay_ns ? start->delay_ns - before.delay_ns : 0);
+                uint64_t handed_us = sim_engine_word_us(w);
+                uint64_t since = now_us > handed_us ? (now_us - handed_us) * 1000ULL : 0;
+                *head_ns = ran < since ? ran : since; /* never before the hand-off */
+                rc = 0;
+            }
+        }
+        if (rc == 0)
+            break;
         unsigned ahead = waiters_ahead(e, ticket, slot, now);
         if (ahead < nfree) {
             for (unsigned l = 0; l < lanes && rc < 0; l++) {
                 uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
-                if (!sim_engine_word_free(w, now_us))
+                if (!sim_engine_word_stale(w, now_us))
                     continue;
-                uint64_t mine = sim_engine_word(now_us, slot, 0);
+                uint64_t mine = sim_engine_word(now_us, slot);
                 uint64_t seen = w;
                 if (__atomic_compare_exchange_n(&e->lane[l], &w, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
                     hd->e = e;
                     hd->lane = (int)l;
                     hd->word = mine;
                     __atomic_add_fetch(&e->acquisitions, 1, __ATOMIC_RELAXED);
-                    if (seen && sim_engine_word_stale(seen, now_us))
+                    if (seen)
                         __atomic_add_fetch(&e->steals, 1, __ATOMIC_RELAXED);
-                    else if (seen)
-                        __atomic_add_fetch(&e->yields, 1, __ATOMIC_RELAXED);
+                    read_runnable(sfd, start);
                     rc = 0;
                 }
             }
@@ -956,23 +996,21 @@ static int engine_acquire(struct engine_hold *hd, int phys, int slot)
                 break;
             continue; /* lost a race for the lane: look again at once */
         }
-        /* asleep until a release wakes us (we are first in line) or the poll interval
-         * passes: the first in line polls fast, to notice a holder that stopped renewing */
+        /* asleep until a hand-off wakes us or the poll interval passes: the first in line
+         * polls fast, to notice a holder that stopped renewing its lane */
+        read_runnable(sfd, &before);
         futex_wait(&e->wait_wake[slot], seq, ahead == 0 ? SIM_FIRST_WAITER_POLL_NS : SIM_WAITER_POLL_NS);
     }
     __atomic_store_n(&e->wait_ticket[slot], 0, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&h->procs[slot].engine_wait_ns_total[phys], sim_monotonic_ns() - start, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&h->procs[slot].engine_wait_ns_total[phys], sim_monotonic_ns() - begin, __ATOMIC_RELAXED);
     return rc;
 }
 
-/* Prove the holder is running (and, with `offer`, offer the lane to the first waiter from
- * now on): 1 while it still holds its lane, 0 when the lane was taken -- by the waiter it
- * offered it to, or because it had stopped renewing it (frozen, stopped, starved). */
-static int engine_renew(struct engine_hold *hd, int slot, int offer)
+/* Prove the holder is running: 1 while it still holds its lane, 0 when the lane was taken
+ * from it (it had stopped renewing it: frozen, stopped, starved of CPU). */
+static int engine_renew(struct engine_hold *hd, int slot)
 {
-    uint64_t now_us = sim_monotonic_ns() / 1000ULL;
-    uint64_t flags = offer ? SIM_ENGINE_YIELD : (hd->word & SIM_ENGINE_YIELD);
-    uint64_t fresh = sim_engine_word(now_us, slot, flags);
+    uint64_t fresh = sim_engine_word(sim_monotonic_ns() / 1000ULL, slot);
     if (fresh == hd->word)
         return 1;
     uint64_t expected = hd->word;
@@ -983,11 +1021,36 @@ static int engine_renew(struct engine_hold *hd, int slot, int offer)
     return 1;
 }
 
-static void engine_release(struct engine_hold *hd)
+/* Give the lane to the first live waiter: the lane word names it (with the hand-off time)
+ * before it even wakes up, so the engine is never free in between. Returns 1 when handed
+ * over, 0 when nobody waits or the lane is no longer ours. */
+static int engine_hand_off(struct engine_hold *hd, int slot)
 {
+    uint64_t now = sim_monotonic_ns();
+    int next = first_waiter(hd->e, slot, now);
+    if (next < 0)
+        return 0;
     uint64_t expected = hd->word;
-    if (__atomic_compare_exchange_n(&hd->e->lane[hd->lane], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-        wake_first_waiters(hd->e, 1);
+    if (!__atomic_compare_exchange_n(&hd->e->lane[hd->lane], &expected, sim_engine_word(now / 1000ULL, next), 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return 0;
+    __atomic_add_fetch(&hd->e->acquisitions, 1, __ATOMIC_RELAXED);
+    wake_waiter(hd->e, next);
+    return 1;
+}
+
+/* At the end of a kernel: hand the lane to the first waiter, or free it. */
+static void engine_release(struct engine_hold *hd, int slot)
+{
+    if (engine_hand_off(hd, slot))
+        return;
+    uint64_t expected = hd->word;
+    if (!__atomic_compare_exchange_n(&hd->e->lane[hd->lane], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return;
+    /* a waiter that arrived after the look for one saw the lane held: wake it */
+    int next = first_waiter(hd->e, slot, sim_monotonic_ns());
+    if (next >= 0)
+        wake_waiter(hd->e, next);
 }
 
 /*
@@ -999,9 +1062,9 @@ static void engine_release(struct engine_hold *hd)
  * time it accrues.
  *
  * The kernel runs only while its thread holds the device's execution engine
- * (simstate.h): it waits (asleep) for it, renews it on every step of the spin, offers it
- * to the first waiter at the end of each time slice (running on until it is taken, then
- * queueing again), and discards a step during which the engine was taken from it. So the busy time of all tenants of a
+ * (simstate.h): it waits (asleep) for it, renews it on every step of the spin, hands it
+ * to the first waiter at the end of each time slice (and queues again), and discards a
+ * step during which the engine was taken from it. So the busy time of all tenants of a
  * device never adds up to more than the wall time (times the lanes of the MPS-like
  * mode), and co-tenants slow each other down as on a time-sliced GPU.
  */
@@ -1021,48 +1084,42 @@ static CUresult run_kernel(uint64_t duration_us)
     if (duration_us == 0)
         return CUDA_SUCCESS; /* an empty kernel needs no engine time */
     pthread_mutex_lock(&g_launch_lock[phys]);
-    struct engine_hold hold;
-    if (engine_acquire(&hold, phys, slot) < 0) {
-        pthread_mutex_unlock(&g_launch_lock[phys]);
-        return CUDA_ERROR_DEVICE_UNAVAILABLE;
-    }
     int sfd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
-    uint64_t target = duration_us * 1000ULL, done = 0, pending = 0, slice = 0;
+    uint64_t target = duration_us * 1000ULL, done = 0, pending = 0, slice = 0, head = 0;
     uint64_t timeslice = (uint64_t)__atomic_load_n(&e->timeslice_us, __ATOMIC_RELAXED) * 1000ULL;
     if (timeslice == 0)
         timeslice = (uint64_t)SIM_DEFAULT_TIMESLICE_US * 1000ULL;
-    uint64_t c0 = thread_cpu_ns(), d0 = run_delay_ns(sfd);
-    uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
+    struct engine_hold hold;
+    struct runnable r0;
     CUresult rc = CUDA_SUCCESS;
+    if (engine_acquire(&hold, phys, slot, sfd, &r0, &head) < 0) {
+        rc = CUDA_ERROR_DEVICE_UNAVAILABLE;
+        goto out;
+    }
+    uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
     while (done < target) {
-        /* short steps while the lane is offered: the waiter's take is noticed within a few
-         * microseconds, and the step it interrupts (discarded) is short */
-        int steps = (hold.word & SIM_ENGINE_YIELD) ? 2000 : 20000;
         uint64_t x = g_sink;
-        for (int i = 0; i < steps; i++)
+        for (int i = 0; i < 20000; i++)
             x = x * 6364136223846793005ULL + 1442695040888963407ULL;
         g_sink = x;
-        uint64_t c = thread_cpu_ns(), dl = run_delay_ns(sfd);
-        uint64_t d = (c - c0) + (dl >= d0 ? dl - d0 : 0);
-        c0 = c;
-        d0 = dl;
+        struct runnable r;
+        read_runnable(sfd, &r);
+        uint64_t d = head + (r.cpu_ns - r0.cpu_ns) + (r.delay_ns >= r0.delay_ns ? r.delay_ns - r0.delay_ns : 0);
+        r0 = r;
+        head = 0;
         uint64_t now = sim_realtime_ns();
-        if (!engine_renew(&hold, slot, 0)) {
-            /* the engine was taken during this step -- by the waiter it was offered to, or
-             * because this thread was not running (frozen, stopped, starved): the step
-             * did not (all) run on the engine, so it is not work done */
+        if (!engine_renew(&hold, slot)) {
+            /* the engine was taken while this thread was not running (frozen, stopped,
+             * starved of CPU): that step did not run on the engine, so it is not work */
             if (pending) {
                 credit_busy(p, phys, pending, now);
                 pending = 0;
             }
-            if (engine_acquire(&hold, phys, slot) < 0) {
+            if (engine_acquire(&hold, phys, slot, sfd, &r0, &head) < 0) {
                 rc = CUDA_ERROR_DEVICE_UNAVAILABLE;
                 goto out;
             }
-            c0 = thread_cpu_ns();
-            d0 = run_delay_ns(sfd);
             slice = 0;
-            bucket = sim_realtime_ns() / SIM_BUCKET_NS;
             continue;
         }
         /* not clipped: a preemption at the end of a kernel lengthens it, as the launch
@@ -1077,14 +1134,22 @@ static CUresult run_kernel(uint64_t duration_us)
             bucket = now / SIM_BUCKET_NS;
         }
         if (slice >= timeslice && done < target) {
-            /* end of the time slice: if someone waits, offer the lane to the first in
-             * line and keep running until it takes it (no idle hand-over gap) */
             slice = 0;
-            if (waiters_ahead(e, 0, slot, sim_monotonic_ns()) > 0 && engine_renew(&hold, slot, 1))
-                wake_first_waiters(e, 1);
+            /* end of the time slice: hand the engine to the first waiter, queue again */
+            if (pending) {
+                credit_busy(p, phys, pending, now);
+                pending = 0;
+            }
+            if (engine_hand_off(&hold, slot)) {
+                __atomic_add_fetch(&e->yields, 1, __ATOMIC_RELAXED);
+                if (engine_acquire(&hold, phys, slot, sfd, &r0, &head) < 0) {
+                    rc = CUDA_ERROR_DEVICE_UNAVAILABLE;
+                    goto out;
+                }
+            }
         }
     }
-    engine_release(&hold);
+    engine_release(&hold, slot);
 out:
     if (pending)
         credit_busy(p, phys, pending, sim_realtime_ns());

@@ -38,15 +38,19 @@
  *   finds out at its next renewal (the CAS fails), discards the runnable time of that
  *   last step (it did not hold the engine) and queues again. Waiting is sleeping on a
  *   futex word of its own (`wait_wake`) -- neither CPU nor busy time. Waiters are served
- *   in ticket order (FIFO): a release wakes the first waiter in line; a waiter
+ *   in ticket order (FIFO), woken by the hand-off described below; a waiter
  *   refreshes `wait_seen_ns` on every wake-up (at least every SIM_WAITER_POLL_NS; the
  *   first in line every SIM_FIRST_WAITER_POLL_NS, to notice a stale holder) and one not
  *   seen for SIM_WAITER_STALE_NS (frozen while waiting) does not keep its place. A
- *   holder that has run for `timeslice_us` while others wait *offers* its lane: it sets
- *   SIM_ENGINE_YIELD in its word, wakes the first waiter and keeps running (in short
- *   steps) until that waiter takes the lane with a CAS; then it queues again. So the
- *   engine never idles through a wake-up latency, co-tenants interleave at time-slice
- *   granularity with equal shares, and a waiter that never comes costs nothing.
+ *   holder that has run for `timeslice_us` while others wait *hands* its lane to the
+ *   first waiter in line -- one CAS writes the waiter's slot and the hand-off time into
+ *   the word, then a futex wake -- and queues again; a kernel's end hands over the same
+ *   way. The new holder's kernel time starts at the hand-off: its wake-up latency (it is
+ *   runnable from the wake-up) counts as its kernel time, capped at the time since the
+ *   hand-off. So the engine is never idle between tenants, co-tenants interleave at
+ *   time-slice granularity with equal shares whatever the host's CPU load, and a waiter
+ *   that was handed the lane but cannot run (frozen just then) loses it like a stale
+ *   holder.
  *   Threads of one process take turns on a device (one context per process).
  */
 #ifndef GPUWATCH_SIMSTATE_H
@@ -72,9 +76,8 @@
 #define SIM_WAITER_POLL_NS 20000000ULL     /* waiters wake at least this often ... */
 #define SIM_FIRST_WAITER_POLL_NS 5000000ULL /* ... the first in line this often */
 #define SIM_DEFAULT_TIMESLICE_US 2000u     /* run time after which a holder yields to waiters */
-#define SIM_ENGINE_SLOT_BITS 12            /* engine word: (renewal time us << 12) | flags | (slot + 1) */
-#define SIM_ENGINE_YIELD (1ULL << 11)      /* the holder offers its lane to the first waiter */
-#define SIM_ENGINE_SLOT_MASK 0x7ffULL      /* slot + 1 */
+#define SIM_ENGINE_SLOT_BITS 12            /* engine word: (renewal time us << 12) | (slot + 1) */
+#define SIM_ENGINE_SLOT_MASK 0xfffULL      /* slot + 1 */
 
 /* byte offset of the per-slot liveness lock (beyond the data; locks need no data) */
 #define SIM_LIVE_LOCK_BASE (1ULL << 40)
@@ -139,16 +142,16 @@ struct sim_proc {
 };
 
 /* One device's execution engine. A lane word is 0 (free) or
- * (renewal time in CLOCK_MONOTONIC microseconds << SIM_ENGINE_SLOT_BITS) | [SIM_ENGINE_YIELD]
- * | (slot + 1): who holds it, when it last proved it is running and whether it offers the
- * lane to a waiter, in one CAS-able word. */
+ * (renewal time in CLOCK_MONOTONIC microseconds << SIM_ENGINE_SLOT_BITS) | (slot + 1):
+ * who holds it and when it last proved it is running (or was handed the lane), in one
+ * CAS-able word. */
 struct sim_engine {
     uint32_t lanes;               /* contexts that run at once: 1 time-sliced, N > 1 MPS-like */
     uint32_t timeslice_us;        /* a holder yields to waiters after this much run time */
     uint64_t next_ticket;         /* FIFO order of waiters */
     uint64_t acquisitions;        /* times a lane was taken */
     uint64_t steals;              /* ... of them from a holder that stopped renewing */
-    uint64_t yields;              /* ... of them offered by a holder at the end of its slice */
+    uint64_t yields;              /* ... of them handed over at the end of a time slice */
     uint64_t lane[SIM_MAX_LANES]; /* engine words, see above */
     /* the waiting thread of each process slot (one per process and device), in dense
      * arrays so a scan touches little memory: its ticket (0: not waiting), when it last
@@ -217,10 +220,9 @@ uint64_t sim_realtime_ns(void);
 uint64_t sim_monotonic_ns(void);
 
 /* engine word helpers */
-static inline uint64_t sim_engine_word(uint64_t now_us, int slot, uint64_t flags)
+static inline uint64_t sim_engine_word(uint64_t now_us, int slot)
 {
-    return ((now_us & ((1ULL << (64 - SIM_ENGINE_SLOT_BITS)) - 1)) << SIM_ENGINE_SLOT_BITS) | flags |
-           (uint64_t)(slot + 1);
+    return ((now_us & ((1ULL << (64 - SIM_ENGINE_SLOT_BITS)) - 1)) << SIM_ENGINE_SLOT_BITS) | (uint64_t)(slot + 1);
 }
 static inline int sim_engine_word_slot(uint64_t w) /* -1 for a free lane */
 {
@@ -237,11 +239,6 @@ static inline int sim_engine_word_stale(uint64_t w, uint64_t now_us)
         return 1;
     uint64_t t = sim_engine_word_us(w);
     return now_us > t && now_us - t > SIM_ENGINE_STALE_US;
-}
-/* 1 when a waiter may take the lane: free, stale, or offered by its holder */
-static inline int sim_engine_word_free(uint64_t w, uint64_t now_us)
-{
-    return (w & SIM_ENGINE_YIELD) || sim_engine_word_stale(w, now_us);
 }
 
 /* identity of the calling process */

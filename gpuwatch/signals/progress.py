@@ -1,0 +1,478 @@
+"""Progress input: each container's evaluation function, read once per sample interval.
+
+FlowCon re-divides a GPU by how fast each job progresses -- its evaluation function, such
+as its loss. A container declares that function with two pod annotations, which the
+runtime copies into the OCI bundle; containers/metadata.py reads them there (like the
+sharing annotations) and the resolver puts the valid ones into the identity's labels under
+the same keys, so `progress_request_of(identity)` reads them back:
+
+    gpuwatch.io/progress-file: /path/inside/the/container   (absolute; rewritten by the job)
+    gpuwatch.io/progress-goal: minimize | maximize          (default minimize: a loss)
+
+The file holds one number: the first word of its first line, in Python float syntax,
+finite; the rest of the line is ignored; at most MAX_PROGRESS_BYTES (256) bytes. Write it
+to a temporary file and rename it over the old one (atomic). A writer that truncates and
+rewrites in place can be caught in between: an empty file ("empty"), or -- if its values
+end with a newline -- a value without one ("partial"); either way the last good value is
+kept. (A writer without newlines cannot be told from a half-written number; use rename.)
+
+How a file is read (`read_progress_file`), for each container that declared one:
+* through /proc/<pid>/root of one of its GPU processes (the next one if that pid is gone),
+  so the path means what it means inside the container: its mount namespace, its volumes;
+* with openat2(2) RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS relative to that root: symlinks
+  inside the container resolve as the job sees them, but "/" and ".." stop at the
+  container's root, so no link leads the agent to a host file, and /proc magic links are
+  refused. Without openat2 (kernel < 5.6, or a seccomp filter) every path component is
+  opened with O_NOFOLLOW one at a time, refusing every symlink ("symlink");
+* O_NONBLOCK (a FIFO never blocks the agent), regular files only, MAX_PROGRESS_BYTES + 1
+  bytes read at most.
+A failed read never stops anything: the last good value is kept and the error is counted
+by reason (`ERROR_REASONS`).
+
+Rates (`ProgressTracker`): each good read adds a sample (time, value, the container's
+kernel seconds on all its GPUs, from attribution). Over the samples of the last `window_s`:
+`rate_per_gpu_second` = evaluation gained in the goal's direction / GPU-seconds the
+container ran (FlowCon's growth efficiency: independent of the share it gets; a plateau
+reads ~0), and `rate_per_second` = the same per wall second (proportional to its share).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import math
+import os
+import stat
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage
+
+PROGRESS_FILE_ANNOTATION = "gpuwatch.io/progress-file"
+PROGRESS_GOAL_ANNOTATION = "gpuwatch.io/progress-goal"
+PROGRESS_ANNOTATION_KEYS = (PROGRESS_FILE_ANNOTATION, PROGRESS_GOAL_ANNOTATION)
+MINIMIZE, MAXIMIZE = "minimize", "maximize"
+GOALS = (MINIMIZE, MAXIMIZE)
+MAX_PROGRESS_BYTES = 256
+MAX_PATH_CHARS = 1024
+ERROR_REASONS = (
+    "pid_gone",  # no process of the container could be opened (/proc/<pid>/root)
+    "missing",  # no such file (or a directory on the way is not one)
+    "unreadable",  # permission denied or another I/O error
+    "symlink",  # a link that may not be followed (magic link; any symlink without openat2)
+    "not_regular",  # a FIFO, device, socket or directory
+    "too_large",  # more than MAX_PROGRESS_BYTES
+    "empty",  # caught between a truncate and a write
+    "partial",  # a value without the newline this writer's values end with
+    "garbage",  # not a finite number
+)
+
+
+# ---- the annotation vocabulary (pure) -------------------------------------------------------
+
+
+def parse_progress_path(value: object) -> str | None:
+    """An absolute path inside the container, normalised ("//a/./b" -> "/a/b"); None for a
+    relative path, one with "..", a NUL byte or more than MAX_PATH_CHARS characters."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text.startswith("/") or "\0" in text or len(text) > MAX_PATH_CHARS:
+        return None
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return "/" + "/".join(parts)
+
+
+def parse_progress_goal(value: object) -> str | None:
+    """"minimize" / "maximize" (case and surrounding blanks ignored), else None."""
+    if not isinstance(value, str):
+        return None
+    goal = value.strip().lower()
+    return goal if goal in GOALS else None
+
+
+def progress_annotations(annotations: Mapping[str, object]) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """(the valid gpuwatch.io progress annotations, normalised, as label pairs; one problem
+    sentence per invalid one). Absent keys are neither."""
+    pairs: list[tuple[str, str]] = []
+    problems: list[str] = []
+    if PROGRESS_FILE_ANNOTATION in annotations:
+        raw = annotations[PROGRESS_FILE_ANNOTATION]
+        path = parse_progress_path(raw)
+        if path is None:
+            problems.append(f"{PROGRESS_FILE_ANNOTATION}={raw!r} is not an absolute path inside the container "
+                            f'(no "..", at most {MAX_PATH_CHARS} characters)')
+        else:
+            pairs.append((PROGRESS_FILE_ANNOTATION, path))
+    if PROGRESS_GOAL_ANNOTATION in annotations:
+        raw = annotations[PROGRESS_GOAL_ANNOTATION]
+        goal = parse_progress_goal(raw)
+        if goal is None:
+            problems.append(f"{PROGRESS_GOAL_ANNOTATION}={raw!r} is not one of {', '.join(GOALS)}")
+        else:
+            pairs.append((PROGRESS_GOAL_ANNOTATION, goal))
+    return tuple(pairs), tuple(problems)
+
+
+@dataclass(frozen=True)
+class ProgressRequest:
+    """What a container declared: where its evaluation value is, and which way is better."""
+
+    path: str
+    goal: str = MINIMIZE
+
+
+def progress_request_of(identity: ContainerIdentity) -> ProgressRequest | None:
+    """The progress declaration in an identity's labels; None without a (valid) progress-file."""
+    labels = dict(identity.labels)
+    path = parse_progress_path(labels.get(PROGRESS_FILE_ANNOTATION))
+    if path is None:
+        return None
+    return ProgressRequest(path, parse_progress_goal(labels.get(PROGRESS_GOAL_ANNOTATION)) or MINIMIZE)
+
+
+# ---- reading one file (I/O) -----------------------------------------------------------------
+
+
+class ProgressReadError(Exception):
+    """A progress file could not be used this time; `reason` is one of ERROR_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ProgressReading:
+    value: float
+    newline: bool  # the content ended with a newline
+
+
+def parse_progress_value(data: bytes, expect_newline: bool = False) -> ProgressReading:
+    """The value in a progress file's bytes; ProgressReadError("empty" / "partial" /
+    "garbage") otherwise. `expect_newline`: this writer's values end with a newline, so
+    one without is a write caught half way."""
+    if not data.strip():
+        raise ProgressReadError("empty", "the file is empty (caught between a truncate and a write?)")
+    newline = data.endswith(b"\n")
+    if expect_newline and not newline:
+        raise ProgressReadError("partial", "no newline at the end, unlike this writer's earlier values")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as err:
+        raise ProgressReadError("garbage", "not ASCII text") from err
+    words = text.split("\n", 1)[0].split()
+    if not words:
+        raise ProgressReadError("garbage", "the first line holds no number")
+    try:
+        value = float(words[0])
+    except ValueError as err:
+        raise ProgressReadError("garbage", f"{words[0][:32]!r} is not a number") from err
+    if not math.isfinite(value):
+        raise ProgressReadError("garbage", f"{words[0][:32]!r} is not a finite number")
+    return ProgressReading(value, newline)
+
+
+_SYS_OPENAT2 = 437  # one number on every architecture (the unified syscall table, Linux 5.6)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc: ctypes.CDLL | None = None
+_openat2_works: bool | None = None  # None: not tried yet
+
+
+def _openat2(dir_fd: int, path: str, flags: int) -> int:
+    """openat2(dir_fd, path, {flags, resolve: IN_ROOT | NO_MAGICLINKS}); OSError on failure."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+    for _ in range(3):  # EAGAIN: a rename raced with the lookup; the kernel asks to retry
+        fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
+                           ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
+
+
+def _open_walk(root_fd: int, path: str, flags: int) -> int:
+    """Open `path` below root_fd one component at a time, refusing every symlink."""
+    parts = [p for p in path.split("/") if p]
+    current = os.dup(root_fd)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            mode = flags | os.O_NOFOLLOW if last else os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                nxt = os.open(part, mode, dir_fd=current)
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(part, current):
+                    raise OSError(errno.ELOOP, "a symlink (refused without openat2)", path) from err
+                raise
+            os.close(current)
+            current = nxt
+        result, current = current, -1
+        return result
+    finally:
+        if current >= 0:
+            os.close(current)
+
+
+def _is_symlink(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_in_root(root_fd: int, path: str, resolver: str) -> int:
+    global _openat2_works
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    relative = path.lstrip("/")
+    if resolver == "openat2" or (resolver == "auto" and _openat2_works is not False):
+        try:
+            fd = _openat2(root_fd, relative, flags)
+        except OSError as err:
+            if resolver == "auto" and err.errno in (errno.ENOSYS, errno.EPERM) and _openat2_works is None:
+                _openat2_works = False  # no openat2 here (old kernel, seccomp): walk from now on
+            else:
+                raise
+        else:
+            _openat2_works = True
+            return fd
+    return _open_walk(root_fd, relative, flags)
+
+
+_ERRNO_REASONS = {
+    errno.ENOENT: "missing",
+    errno.ENOTDIR: "missing",
+    errno.ELOOP: "symlink",
+    errno.EXDEV: "symlink",
+    errno.EACCES: "unreadable",
+    errno.EPERM: "unreadable",
+}
+
+
+def read_progress_file(proc_root: str, pid: int, path: str, max_bytes: int = MAX_PROGRESS_BYTES,
+                       resolver: str = "auto") -> bytes:
+    """The bytes of `path` as process `pid` sees it (its root: /proc/<pid>/root), read safely
+    (module docstring). Raises ProgressReadError. `resolver`: "auto" (openat2 where the
+    kernel has it, else the O_NOFOLLOW walk), "openat2" or "walk" (tests)."""
+    try:
+        root_fd = os.open(os.path.join(proc_root, str(pid), "root"), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise ProgressReadError("pid_gone", f"process {pid}: {err.strerror}") from err
+    try:
+        try:
+            fd = _open_in_root(root_fd, path, resolver)
+        except OSError as err:
+            reason = _ERRNO_REASONS.get(err.errno or 0, "unreadable")
+            raise ProgressReadError(reason, f"{path}: {err.strerror}") from err
+    finally:
+        os.close(root_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProgressReadError("not_regular", f"{path} is not a regular file")
+        if st.st_size > max_bytes:
+            raise ProgressReadError("too_large", f"{path} has {st.st_size} bytes (at most {max_bytes})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:  # a file that grows while read stops at the cap, too
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise ProgressReadError("too_large", f"{path} has more than {max_bytes} bytes")
+        return b"".join(chunks)
+    except OSError as err:
+        raise ProgressReadError("unreadable", f"{path}: {err.strerror}") from err
+    finally:
+        os.close(fd)
+
+
+# ---- the tracker: the source the sampler calls ----------------------------------------------
+
+
+@dataclass
+class _Track:
+    identity: ContainerIdentity
+    request: ProgressRequest
+    samples: deque[tuple[float, float, float]] = field(default_factory=deque)  # (t, value, kernel s)
+    value: float | None = None
+    updated_s: float | None = None
+    first: tuple[float, float] | None = None  # (value, kernel s) at the first good read
+    newline: bool = False  # this writer's values have ended with a newline
+    reads: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    last_error: str = ""
+    seen_s: float = 0.0
+
+
+class ProgressTracker:
+    """Reads every declared progress file once per interval and keeps the recent history.
+
+    `collect(containers, now_s)` is called by the sampler with the interval's usage rows:
+    containers without a gpuwatch.io/progress-file label are skipped at no cost; the others
+    are read through one of their GPU processes. History is kept per container key while
+    the container is seen and `retention_s` after (a container that is briefly without GPU
+    processes keeps its samples), for at most `max_containers` containers."""
+
+    def __init__(self, proc_root: str = "/proc", *, window_s: float = 30.0, retention_s: float = 600.0,
+                 max_bytes: int = MAX_PROGRESS_BYTES, min_kernel_seconds: float = 0.05,
+                 max_containers: int = 4096, resolver: str = "auto",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.proc_root = proc_root
+        self.window_s = window_s
+        self.retention_s = retention_s
+        self.max_bytes = max_bytes
+        self.min_kernel_seconds = min_kernel_seconds
+        self.max_containers = max_containers
+        self.resolver = resolver
+        self._clock = clock
+        self._tracks: dict[str, _Track] = {}
+
+    def collect(self, containers: Sequence[ContainerUsage], now_s: float | None = None
+                ) -> tuple[ContainerProgress, ...]:
+        now = self._clock() if now_s is None else now_s
+        out: list[ContainerProgress] = []
+        for identity, pids, kernel_s in _group(containers):
+            request = progress_request_of(identity)
+            if request is None:
+                continue
+            track = self._tracks.get(identity.key)
+            if track is None or track.request != request:
+                track = _Track(identity, request)
+                self._tracks[identity.key] = track
+            track.identity = identity
+            track.seen_s = now
+            self._read(track, pids, kernel_s, now)
+            out.append(self._report(track, kernel_s))
+        self._expire(now)
+        return tuple(out)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _read(self, track: _Track, pids: Sequence[int], kernel_s: float, now: float) -> None:
+        error: ProgressReadError | None = None
+        reading: ProgressReading | None = None
+        for pid in pids or (0,):
+            try:
+                data = read_progress_file(self.proc_root, pid, track.request.path, self.max_bytes, self.resolver)
+                reading = parse_progress_value(data, expect_newline=track.newline)
+                break
+            except ProgressReadError as err:
+                error = err
+                if err.reason != "pid_gone":
+                    break  # the file itself is the problem: another pid of the container sees the same
+        track.reads += 1
+        if reading is None:
+            assert error is not None
+            track.errors[error.reason] += 1
+            track.last_error = str(error)
+            return
+        track.last_error = ""
+        track.newline = track.newline or reading.newline
+        track.value = reading.value
+        track.updated_s = now
+        if track.first is None:
+            track.first = (reading.value, kernel_s)
+        samples = track.samples
+        if samples and (kernel_s < samples[-1][2] or now <= samples[-1][0]):
+            samples.clear()  # kernel seconds went back (attribution restarted) or time did: start over
+        samples.append((now, reading.value, kernel_s))
+        while len(samples) > 2 and samples[1][0] <= now - self.window_s:
+            samples.popleft()
+
+    def _report(self, track: _Track, kernel_s: float) -> ContainerProgress:
+        sign = 1.0 if track.request.goal == MAXIMIZE else -1.0
+        rate_gpu = rate_wall = None
+        span_s = span_k = 0.0
+        samples = track.samples
+        if len(samples) >= 2:
+            (t0, v0, k0), (t1, v1, k1) = samples[0], samples[-1]
+            span_s, span_k = t1 - t0, k1 - k0
+            gained = sign * (v1 - v0)
+            rate_wall = gained / span_s if span_s > 0 else None
+            rate_gpu = gained / span_k if span_k >= self.min_kernel_seconds else None
+        first_value, first_kernel = track.first if track.first is not None else (None, None)
+        return ContainerProgress(
+            identity=track.identity,
+            path=track.request.path,
+            goal=track.request.goal,
+            value=track.value,
+            updated_s=track.updated_s,
+            rate_per_gpu_second=rate_gpu,
+            rate_per_second=rate_wall,
+            window_s=span_s,
+            window_kernel_seconds=span_k,
+            kernel_seconds_total=kernel_s,
+            first_value=first_value,
+            first_kernel_seconds=first_kernel,
+            reads_total=track.reads,
+            errors_total=sum(track.errors.values()),
+            errors_by_reason=tuple(sorted(track.errors.items())),
+            last_error=track.last_error,
+        )
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, t in self._tracks.items() if now - t.seen_s > self.retention_s]:
+            del self._tracks[key]
+        if len(self._tracks) > self.max_containers:
+            oldest = sorted(self._tracks, key=lambda k: self._tracks[k].seen_s)
+            for key in oldest[: len(self._tracks) - self.max_containers]:
+                del self._tracks[key]
+
+
+def _group(containers: Iterable[ContainerUsage]) -> list[tuple[ContainerIdentity, list[int], float]]:
+    """Per container (key, first-seen order): its identity, its GPU processes' host pids and
+    its kernel seconds summed over its GPUs."""
+    grouped: dict[str, tuple[ContainerIdentity, list[int], list[float]]] = {}
+    for usage in containers:
+        _, pids, kernel = grouped.setdefault(usage.identity.key, (usage.identity, [], []))
+        for proc in usage.processes:
+            if proc.pid not in pids:
+                pids.append(proc.pid)
+        if math.isfinite(usage.kernel_seconds_total):
+            kernel.append(usage.kernel_seconds_total)
+    return [(identity, pids, sum(kernel)) for identity, pids, kernel in grouped.values()]
+
+
+__all__ = [
+    "ERROR_REASONS",
+    "GOALS",
+    "MAXIMIZE",
+    "MAX_PROGRESS_BYTES",
+    "MINIMIZE",
+    "PROGRESS_ANNOTATION_KEYS",
+    "PROGRESS_FILE_ANNOTATION",
+    "PROGRESS_GOAL_ANNOTATION",
+    "ProgressReadError",
+    "ProgressReading",
+    "ProgressRequest",
+    "ProgressTracker",
+    "parse_progress_goal",
+    "parse_progress_path",
+    "parse_progress_value",
+    "progress_annotations",
+    "progress_request_of",
+    "read_progress_file",
+]
