@@ -125,6 +125,19 @@ def test_a_stopped_holder_frees_the_engine_and_gets_it_back_after(tmp_path: Path
     assert 0.4 <= rates[a.pid][0] <= 0.6 and 0.4 <= rates[b.pid][0] <= 0.6, rates
 
 
+def test_a_waiter_stopped_before_its_turn_does_not_block_the_other(tmp_path: Path) -> None:
+    with tenants(tmp_path, [0, 0]) as (node, procs):
+        a, b = procs
+        _wait_until_holder(node, b.pid)  # a waits (or sleeps between kernels) while b runs
+        os.kill(a.pid, signal.SIGSTOP)  # b may still hand the engine to a once: a loses it again
+        try:
+            time.sleep(0.2)
+            rates = busy_rates(node, [a.pid, b.pid], 1.5)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+    assert rates[a.pid][0] == 0.0 and rates[b.pid][0] >= 0.72, rates
+
+
 def test_a_cgroup_frozen_holder_frees_the_engine(tmp_path: Path, root_required: None) -> None:
     unified = Path("/sys/fs/cgroup/unified")
     if not (unified / "cgroup.procs").exists():

@@ -878,7 +878,18 @@ static int waiter_fresh(const struct sim_engine *e, uint32_t s, uint64_t now_ns)
     return !(now_ns > seen && now_ns - seen > SIM_WAITER_STALE_NS);
 }
 
-/* live waiters with a ticket below `ticket`, the caller's slot excluded */
+/* 1 when a lane word names slot s: it holds a lane, or was handed one and has not woken
+ * up yet -- either way it is no longer in line for another */
+static int names_slot(const struct sim_engine *e, uint32_t s)
+{
+    unsigned lanes = engine_lanes(e);
+    for (unsigned l = 0; l < lanes; l++)
+        if (sim_engine_word_slot(__atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST)) == (int)s)
+            return 1;
+    return 0;
+}
+
+/* live waiters in line with a ticket below `ticket`, the caller's slot excluded */
 static unsigned waiters_ahead(const struct sim_engine *e, uint64_t ticket, int self, uint64_t now_ns)
 {
     unsigned n = 0;
@@ -887,7 +898,7 @@ static unsigned waiters_ahead(const struct sim_engine *e, uint64_t ticket, int s
         uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
         if (!t || (int)s == self || t >= ticket)
             continue;
-        if (waiter_fresh(e, s, now_ns))
+        if (waiter_fresh(e, s, now_ns) && !names_slot(e, s))
             n++;
     }
     return n;
@@ -901,7 +912,7 @@ static int first_waiter(const struct sim_engine *e, int self, uint64_t now_ns)
     uint32_t limit = scan_limit();
     for (uint32_t s = 0; s < limit; s++) {
         uint64_t t = __atomic_load_n(&e->wait_ticket[s], __ATOMIC_SEQ_CST);
-        if (t && (int)s != self && t < best_ticket && waiter_fresh(e, s, now_ns)) {
+        if (t && (int)s != self && t < best_ticket && waiter_fresh(e, s, now_ns) && !names_slot(e, s)) {
             best = (int)s;
             best_ticket = t;
         }

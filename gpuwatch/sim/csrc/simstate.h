@@ -50,7 +50,8 @@
  *   hand-off. So the engine is never idle between tenants, co-tenants interleave at
  *   time-slice granularity with equal shares whatever the host's CPU load, and a waiter
  *   that was handed the lane but cannot run (frozen just then) loses it like a stale
- *   holder.
+ *   holder (a waiter named by a lane word is out of the line: it does not hold others
+ *   back).
  *   Threads of one process take turns on a device (one context per process).
  */
 #ifndef GPUWATCH_SIMSTATE_H
