@@ -328,6 +328,10 @@ def run_cmd(
     from gpuwatch.sim import node as simnode
     from gpuwatch.sim import workload
 
+    if progress_file is not None and progress_curve is None:
+        raise click.UsageError("--progress-file needs an evaluation function: pass --progress-curve")
+    if work_s > 0 and duty <= 0:
+        raise click.UsageError("a job with --work-s runs kernels: pass --duty > 0")
     if "GPUWATCH_SIM_STATE" not in os.environ or name != "default":
         n = simnode.get_node(name)
         os.environ.update(simnode.sim_env(n, {}))

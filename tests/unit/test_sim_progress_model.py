@@ -103,9 +103,11 @@ def test_job_without_work_limit_stops_at_its_lifetime_without_done(tmp_path: Pat
     assert 0 < float((tmp_path / "loss").read_text()) < 1.0
 
 
-def test_cli_refuses_a_progress_file_without_a_curve() -> None:
-    result = CliRunner().invoke(sim, ["run", "--progress-file", "/tmp/x", "--duty", "0.5"])
-    assert result.exit_code != 0
+def test_cli_refuses_inconsistent_progress_options_before_touching_the_node() -> None:
+    result = CliRunner().invoke(sim, ["run", "--name", "no-such-node", "--progress-file", "/tmp/x", "--duty", "0.5"])
+    assert result.exit_code == 2 and "--progress-curve" in result.output
+    result = CliRunner().invoke(sim, ["run", "--name", "no-such-node", "--work-s", "5"])
+    assert result.exit_code == 2 and "--duty" in result.output
 
 
 def test_cli_help_names_the_progress_options() -> None:
