@@ -44,6 +44,7 @@ class AgentConfig:
     webhook: tuple[str, int] | None = None
     webhook_token_file: str | None = None
     webhook_allow_remote: bool = False
+    snapshot_remote: bool = False  # serve /snapshot.json on a non-loopback --listen too
     kmsg_path: str | None = "/dev/kmsg"  # kernel log with the driver's Xid lines; None: off
     nfd_features_file: str | None = None  # NFD local-source feature file; None: off
     ignored_xids: frozenset[int] | None = None  # None: signals.health.DEFAULT_IGNORED_XIDS
@@ -168,13 +169,15 @@ def _webhook_token(config: AgentConfig) -> str | None:
     return token
 
 
-def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any, token: str | None) -> None:
+def _start_webhook(config: AgentConfig, stack: ExitStack, enforcer: Any, token: str | None,
+                   registry: Any) -> None:
     if config.webhook is None or token is None or enforcer is None:
         return
     from gpuwatch.enforce.webhook import WebhookServer
 
     host, port = config.webhook
     server = WebhookServer(host, port, token, enforcer.on_webhook, config.webhook_allow_remote)
+    registry.register(server.metrics)  # gpuwatch_webhook_requests_total{result}
     server.start()
     stack.callback(server.stop)
     log.info("Alertmanager webhook on http://%s:%d%s (bearer token required)", host, server.port,
@@ -232,11 +235,12 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
         enforcer = _start_enforcer(config, stack, registry, probes, policy_load, stop)
         if stop.is_set():
             return
-        server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest)
+        server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest,
+                       snapshot_remote=config.snapshot_remote)
         stack.callback(server.stop)
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
                  config.listen_host, server.port, node, config.interval_s)
-        _start_webhook(config, stack, enforcer, webhook_token)
+        _start_webhook(config, stack, enforcer, webhook_token, registry)
         last_seen = 0.0
         # Wake a few times per interval so a new snapshot reaches the enforcer promptly
         # (the sampler publishes on its own phase); a wake-up with nothing new costs nothing.

@@ -43,7 +43,12 @@ def _xid_list(text: str) -> frozenset[int]:
 
 @click.command("agent")
 @click.option("--listen", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
-              help="Where /metrics is served. The DaemonSet uses 0.0.0.0:9400 (read-only endpoint).")
+              help="Where /metrics is served. The DaemonSet uses 0.0.0.0:9400 (read-only endpoint). On a "
+                   "loopback address it also serves /snapshot.json (for `gpuwatch top --agent`).")
+@click.option("--snapshot-remote", is_flag=True,
+              help="Serve /snapshot.json on a non-loopback --listen too. Off by default: it shows host pids, "
+                   "process names, cgroup paths and pod UIDs to anyone who can reach the port, so an "
+                   "exposed --listen serves metrics only (403 for /snapshot.json).")
 @click.option("--node", default=None, help="Node name label (default: hostname).")
 @click.option("--interval", "interval_s", type=click.FloatRange(0.05, 3600), default=1.0,
               show_default=True, help="Sample interval in seconds.")
@@ -93,7 +98,7 @@ def _xid_list(text: str) -> frozenset[int]:
                    "and CNI devices, bridges, tunnels, ifb. '' keeps every NIC.")
 @runtime_root_options
 @click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
-def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | None,
+def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: float, nvml_library: str | None,
           proc_root: str, probes: bool | None, device_prefix: str, launch_uprobes: bool,
           policy_path: str | None, dry_run: bool, audit_log: str, webhook_listen: str | None,
           webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str, lock_file: str,
@@ -116,7 +121,7 @@ def agent(listen: str, node: str | None, interval_s: float, nvml_library: str | 
     host, port = parse_listen(listen, "--listen")
     webhook = parse_listen(webhook_listen, "--webhook-listen") if webhook_listen else None
     config = AgentConfig(
-        listen_host=host, listen_port=port, node=node, interval_s=interval_s,
+        listen_host=host, listen_port=port, snapshot_remote=snapshot_remote, node=node, interval_s=interval_s,
         nvml_library=nvml_library, proc_root=proc_root, probes=probes,
         device_prefix=device_prefix, launch_uprobes=launch_uprobes, policy_path=policy_path,
         dry_run=dry_run, audit_log=audit_log, webhook=webhook,

@@ -5,7 +5,8 @@ gpuwatch_enforce_limit_gpu_time_share per container, gpuwatch_enforce_paused /
 gpuwatch_enforce_throttled_share per container, gpuwatch_policy_reloads_total{result},
 gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total,
 gpuwatch_namespace_gpu_memory_quota_bytes{node,namespace} (the policy's namespace quotas, for
-schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}.
+schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}; WebhookMetrics:
+gpuwatch_webhook_requests_total{result}, gpuwatch_webhook_alerts_total{result}.
 """
 
 from __future__ import annotations
@@ -187,3 +188,50 @@ class EnforcerMetrics(Collector):
         for gpu_labels, count in gated:
             gated_fam.add_metric(list(gpu_labels), count)
         yield gated_fam
+
+
+WEBHOOK_RESULTS = ("ok", "unauthorized", "rejected", "too_large", "rate_limited")
+
+
+class WebhookMetrics(Collector):
+    """The Alertmanager webhook's requests by result (every request counts once:
+    ok | unauthorized | rejected | too_large | rate_limited) and the alerts it read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()
+        self.alerts: Counter[str] = Counter()
+
+    def count_request(self, result: str) -> None:
+        if result not in WEBHOOK_RESULTS:
+            raise ValueError(f"unknown webhook result {result!r}")
+        with self._lock:
+            self.requests[result] += 1
+
+    def count_alerts(self, accepted: int, rejected: int) -> None:
+        with self._lock:
+            self.alerts["accepted"] += accepted
+            self.alerts["rejected"] += rejected
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            requests, alerts = dict(self.requests), dict(self.alerts)
+        fam = CounterMetricFamily(
+            "gpuwatch_webhook_requests",
+            "Alertmanager webhook requests by result: ok, unauthorized (missing/wrong token), rejected "
+            "(bad method, path, JSON or payload), too_large (body or headers over the limit), "
+            "rate_limited.",
+            labels=["result"],
+        )
+        for result in WEBHOOK_RESULTS:
+            fam.add_metric([result], requests.get(result, 0))
+        yield fam
+        fam = CounterMetricFamily(
+            "gpuwatch_webhook_alerts",
+            "Alerts in authenticated webhook requests: accepted (handed to the enforcer) or rejected "
+            "(malformed, no target, unknown action, over the per-request cap).",
+            labels=["result"],
+        )
+        for result in ("accepted", "rejected"):
+            fam.add_metric([result], alerts.get(result, 0))
+        yield fam

@@ -5,8 +5,20 @@ This is the agent's only *acting* endpoint, so it is locked down by default:
 * it binds to loopback unless the operator explicitly allows a remote address;
 * it refuses to start when either rule is broken (UnsafeConfiguration), instead of
   starting open;
-* bodies are size-limited and parsed defensively: a malformed alert is rejected with a
-  reason and never turns into an action.
+* it runs on gpuwatch.httpserve (waitress with WEBHOOK_LIMITS): 2 worker threads, at most 64
+  connections, idle/request/response deadlines, bodies over 1 MiB refused while read (413);
+* authenticated requests are rate limited (a token bucket: DEFAULT_RATE_PER_S a second,
+  bursts of DEFAULT_BURST); over it the answer is 503 with Retry-After, which Alertmanager
+  retries with back-off (it does not retry a 4xx), so a burst delays alerts, never drops them;
+* bodies are parsed defensively: JSON nested deeper than MAX_JSON_DEPTH is a 400, at most
+  MAX_ALERTS_PER_REQUEST alerts are read per request (set `max_alerts` in Alertmanager's
+  webhook_config to match), label values must be strings, target labels must look like
+  Kubernetes names or container ids, a malformed alert is rejected with a reason and never
+  turns into an action;
+* every request is logged once, as one summary line (values truncated, control characters
+  escaped, so an alertname cannot forge log lines); refused requests (unauthorized,
+  rejected, too large, rate limited) are logged at most once per LOG_INTERVAL_S per kind,
+  and every request is counted in gpuwatch_webhook_requests_total{result}.
 
 An alert asks for an action through its labels (Prometheus rule labels, see
 dashboards/gpuwatch-rules.yml): `gpuwatch_action` (alert|pause|resume|throttle|
@@ -22,22 +34,48 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import stat
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.enforce.metrics import WebhookMetrics
 from gpuwatch.errors import UnsafeConfiguration
+from gpuwatch.httpserve import BoundedServer, JsonRejected, ServerLimits, parse_json
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 32  # Alertmanager's payload is 4 deep
+MAX_ALERTS_PER_REQUEST = 100
 MIN_TOKEN_CHARS = 16
+DEFAULT_RATE_PER_S = 5.0
+DEFAULT_BURST = 20
+LOG_VALUE_CHARS = 80  # a label value in a log line
+LOG_INTERVAL_S = 10.0  # refused requests: one log line per kind per interval
+ALERT_NAME_CHARS = 128
 ACTIONS = frozenset({"alert", "pause", "resume", "throttle", "checkpoint_kill", "kill"})
 TARGET_LABELS = ("namespace", "pod", "container", "container_id")
+# Kubernetes names (DNS labels/subdomains) and container ids (hex, or runtime://hex)
+_TARGET_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,252}")
+WEBHOOK_LIMITS = ServerLimits(threads=2, connection_limit=64, backlog=64, idle_timeout_s=30,
+                              request_timeout_s=10, response_timeout_s=30, max_body_bytes=MAX_BODY_BYTES,
+                              max_header_bytes=16 * 1024)
+
+
+def loggable(value: object, limit: int = LOG_VALUE_CHARS) -> str:
+    """`value` safe for one log line: at most `limit` characters (the rest counted), control
+    and other non-printable characters escaped (a newline cannot start a forged line)."""
+    text = value if isinstance(value, str) else repr(value)[: limit + 1]
+    extra = len(text) - limit
+    if extra > 0:
+        text = text[:limit]
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return shown + (f"...(+{extra} chars)" if extra > 0 else "")
 
 
 @dataclass(frozen=True)
@@ -46,7 +84,7 @@ class WebhookRequest:
 
     action: str
     firing: bool
-    alert_name: str
+    alert_name: str  # loggable(): truncated, control characters escaped
     fingerprint: str
     target: tuple[tuple[str, str], ...]  # sorted (label, value) pairs naming the target
     labels: tuple[tuple[str, str], ...]
@@ -59,41 +97,63 @@ class WebhookRequest:
 class ParseResult:
     requests: tuple[WebhookRequest, ...]
     rejected: tuple[str, ...]  # one reason per alert that could not become a request
+    payload_error: str | None = None  # the payload as a whole is unusable (nothing was read)
 
 
-def parse_alertmanager_payload(payload: Any) -> ParseResult:
-    """Alertmanager webhook JSON (version 4) -> requests; never raises on bad alerts."""
+def _parse_alert(i: int, alert: Any) -> WebhookRequest | str:
+    """One alert -> a request, or the reason it is rejected (loggable)."""
+    if not isinstance(alert, Mapping) or not isinstance(alert.get("labels"), Mapping):
+        return f"alert {i}: no labels"
+    labels: dict[str, str] = {}
+    for key, value in alert["labels"].items():
+        if not isinstance(value, str):
+            return f"alert {i}: label {loggable(key, 40)} is not a string"
+        labels[str(key)] = value
+    name = loggable(labels.get("alertname") or f"alert {i}", ALERT_NAME_CHARS)
+    action = labels.get("gpuwatch_action", "alert")
+    if action not in ACTIONS:
+        return f"{name}: unknown gpuwatch_action {loggable(action, 40)!r} (one of {', '.join(sorted(ACTIONS))})"
+    status = alert.get("status", "firing")
+    if status not in ("firing", "resolved"):
+        return f"{name}: status {loggable(status, 40)!r} is neither firing nor resolved"
+    target = {k: labels[k] for k in TARGET_LABELS if labels.get(k)}
+    for key, value in target.items():
+        if not _TARGET_VALUE.fullmatch(value):
+            return f"{name}: label {key} {loggable(value, 40)!r} is not a Kubernetes name or container id"
+    if not (target.get("container_id") or (target.get("namespace") and target.get("pod"))):
+        return f"{name}: no target: needs container_id, or namespace and pod labels"
+    return WebhookRequest(
+        action=action,
+        firing=status == "firing",
+        alert_name=name,
+        fingerprint=loggable(alert.get("fingerprint", ""), 64),
+        target=tuple(sorted(target.items())),
+        labels=tuple(sorted(labels.items())),
+    )
+
+
+def parse_alertmanager_payload(payload: Any, max_alerts: int = MAX_ALERTS_PER_REQUEST) -> ParseResult:
+    """Alertmanager webhook JSON (version 4) -> requests; never raises on bad alerts.
+
+    At most `max_alerts` alerts are read; the rest are rejected with one reason."""
     if not isinstance(payload, Mapping):
-        return ParseResult((), ("payload is not a JSON object",))
+        reason = "payload is not a JSON object"
+        return ParseResult((), (reason,), reason)
     alerts = payload.get("alerts")
     if not isinstance(alerts, list):
-        return ParseResult((), ("payload has no `alerts` list",))
+        reason = "payload has no `alerts` list"
+        return ParseResult((), (reason,), reason)
     requests: list[WebhookRequest] = []
     rejected: list[str] = []
-    for i, alert in enumerate(alerts):
-        if not isinstance(alert, Mapping) or not isinstance(alert.get("labels"), Mapping):
-            rejected.append(f"alert {i}: no labels")
-            continue
-        labels = {str(k): str(v) for k, v in alert["labels"].items()}
-        name = labels.get("alertname", f"alert {i}")
-        action = labels.get("gpuwatch_action", "alert")
-        if action not in ACTIONS:
-            rejected.append(f"{name}: unknown gpuwatch_action {action!r} (one of {', '.join(sorted(ACTIONS))})")
-            continue
-        target = {k: labels[k] for k in TARGET_LABELS if labels.get(k)}
-        if not (target.get("container_id") or (target.get("namespace") and target.get("pod"))):
-            rejected.append(f"{name}: no target: needs container_id, or namespace and pod labels")
-            continue
-        requests.append(
-            WebhookRequest(
-                action=action,
-                firing=alert.get("status", "firing") == "firing",
-                alert_name=name,
-                fingerprint=str(alert.get("fingerprint", "")),
-                target=tuple(sorted(target.items())),
-                labels=tuple(sorted(labels.items())),
-            )
-        )
+    for i, alert in enumerate(alerts[:max_alerts]):
+        parsed = _parse_alert(i, alert)
+        if isinstance(parsed, str):
+            rejected.append(parsed)
+        else:
+            requests.append(parsed)
+    if len(alerts) > max_alerts:
+        rejected.append(f"{len(alerts) - max_alerts} alerts over the cap of {max_alerts} per request were not "
+                        f"read (set max_alerts: {max_alerts} in Alertmanager's webhook_config)")
     return ParseResult(tuple(requests), tuple(rejected))
 
 
@@ -136,97 +196,207 @@ def check_bind_address(host: str, allow_remote: bool) -> None:
 
 
 Handler = Callable[[WebhookRequest], str]
+StartResponse = Callable[..., Any]
+
+
+class TokenBucket:
+    """`rate_per_s` requests a second on average, bursts of `burst` (thread-safe)."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError("rate_per_s must be > 0 and burst >= 1")
+        self.rate_per_s, self.burst, self._clock = float(rate_per_s), float(burst), clock
+        self._tokens = float(burst)
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate_per_s)
+            self._last = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return True
+            return False
+
+
+class _LogGate:
+    """One log line per kind per interval; the lines left out are counted into the next."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self.interval_s, self._clock = interval_s, clock
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, kind: str) -> int | None:
+        """None: stay quiet; else log now, mentioning this many left out since the last line."""
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.interval_s:
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return None
+            self._last[kind] = now
+            return self._skipped.pop(kind, 0)
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class WebhookServer:
-    """Threaded HTTP server for POST /api/v1/alerts (Alertmanager webhook_config url)."""
+    """HTTP server for POST /api/v1/alerts (Alertmanager webhook_config url).
+
+    `metrics` (a prometheus Collector, gpuwatch_webhook_*) counts every request once by
+    result; register it in the exporter's registry to export it."""
 
     PATH = "/api/v1/alerts"
 
-    def __init__(self, host: str, port: int, token: str, handler: Handler, allow_remote: bool = False) -> None:
+    def __init__(self, host: str, port: int, token: str, handler: Handler, allow_remote: bool = False, *,
+                 limits: ServerLimits = WEBHOOK_LIMITS, rate_per_s: float = DEFAULT_RATE_PER_S,
+                 burst: int = DEFAULT_BURST, max_alerts: int = MAX_ALERTS_PER_REQUEST,
+                 metrics: WebhookMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         check_bind_address(host, allow_remote)
         if len(token) < MIN_TOKEN_CHARS:
             raise UnsafeConfiguration("webhook token too short", fix="use at least 16 random characters")
         self._token = token.encode()
         self._handler = handler
-        self.accepted_total = 0
-        self.rejected_total = 0
-        self.unauthorized_total = 0
-        self._httpd = ThreadingHTTPServer((host, port), self._request_class())
-        self._httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        self.max_alerts = max_alerts
+        self.metrics = metrics if metrics is not None else WebhookMetrics()
+        self._bucket = TokenBucket(rate_per_s, burst, clock)
+        self._gate = _LogGate(LOG_INTERVAL_S, clock)
+        self._http = BoundedServer(self._app, host, port, name="gpuwatch-webhook", limits=limits,
+                                   on_refused=self._refused)
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return self._http.port
+
+    @property
+    def http(self) -> BoundedServer:
+        """The underlying server (limits, open connections, evictions, timeouts)."""
+        return self._http
+
+    @property
+    def accepted_total(self) -> int:
+        return int(self.metrics.alerts["accepted"])
+
+    @property
+    def rejected_total(self) -> int:
+        return int(self.metrics.alerts["rejected"] + self.metrics.requests["rejected"])
+
+    @property
+    def unauthorized_total(self) -> int:
+        return int(self.metrics.requests["unauthorized"])
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gpuwatch-webhook", daemon=True)
-        self._thread.start()
+        self._http.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._http.stop()
 
     def authorized(self, header: str | None) -> bool:
         if not header or not header.startswith("Bearer "):
             return False
         return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self._token)
 
-    def handle_payload(self, body: bytes) -> tuple[int, dict[str, Any]]:
+    # -- requests ------------------------------------------------------------------------
+    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        client = str(environ.get("REMOTE_ADDR") or "?")
+        path = environ.get("PATH_INFO") or "/"
+        method = environ.get("REQUEST_METHOD", "")
+        if path != self.PATH:
+            return self._refuse(start_response, 404, f"unknown path; use {self.PATH}", "rejected", client,
+                                f"{loggable(method, 16)} {loggable(path)}: unknown path")
+        if method != "POST":
+            return self._refuse(start_response, 405, f"POST Alertmanager webhook payloads to {self.PATH}",
+                                "rejected", client, f"{loggable(method, 16)}: not POST",
+                                [("Allow", "POST")])
+        if not self.authorized(environ.get("HTTP_AUTHORIZATION")):
+            return self._refuse(start_response, 401, "missing or wrong bearer token", "unauthorized", client,
+                                "missing or wrong bearer token", [("WWW-Authenticate", "Bearer")])
+        if not self._bucket.take():
+            return self._refuse(start_response, 503, "rate limited: retry later", "rate_limited", client,
+                                f"over {self._bucket.rate_per_s:g} requests/s (bursts of "
+                                f"{self._bucket.burst:g})", [("Retry-After", "1")])
         try:
-            payload = json.loads(body)
-        except ValueError as err:
-            self.rejected_total += 1
-            return 400, {"error": f"body is not JSON: {err}"}
-        parsed = parse_alertmanager_payload(payload)
-        self.rejected_total += len(parsed.rejected)
-        results = []
-        for req in parsed.requests:
-            self.accepted_total += 1
-            results.append({"alert": req.alert_name, "action": req.action, "result": self._handler(req)})
-        for reason in parsed.rejected:
-            log.warning("webhook: rejected alert: %s", reason)
-        return 200, {"results": results, "rejected": list(parsed.rejected)}
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        if length <= 0:
+            return self._refuse(start_response, 400, "POST an Alertmanager webhook JSON body", "rejected",
+                                client, "empty body")
+        if length > MAX_BODY_BYTES:  # waitress refuses these first (413 while reading); kept as a guard
+            return self._refuse(start_response, 413, f"body over {MAX_BODY_BYTES} bytes", "too_large", client,
+                                f"body of {length} bytes")
+        raw = environ["wsgi.input"].read(length)
+        try:
+            payload = parse_json(raw, MAX_JSON_DEPTH)
+        except JsonRejected as err:
+            return self._refuse(start_response, 400, str(err), "rejected", client, str(err))
+        parsed = parse_alertmanager_payload(payload, self.max_alerts)
+        if parsed.payload_error is not None:
+            return self._refuse(start_response, 400, parsed.payload_error, "rejected", client,
+                                parsed.payload_error)
+        results = [{"alert": req.alert_name, "action": req.action, "result": self._act(req)}
+                   for req in parsed.requests]
+        self.metrics.count_request("ok")
+        self.metrics.count_alerts(len(parsed.requests), len(parsed.rejected))
+        self._summary(client, parsed, results)
+        return self._reply(start_response, 200, {"results": results, "rejected": list(parsed.rejected)})
 
-    def _request_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
+    def _act(self, req: WebhookRequest) -> str:
+        try:
+            return str(self._handler(req))
+        except Exception as err:  # an enforcer bug must not cost the other alerts their answer
+            if self._gate.admit(f"handler:{type(err).__name__}") is not None:
+                log.exception("webhook: handling %s failed", req.alert_name)
+            return f"error: {type(err).__name__}"
 
-        class _Request(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("webhook %s: " + format, self.client_address[0], *args)
+    def _summary(self, client: str, parsed: ParseResult, results: list[dict[str, str]]) -> None:
+        """One line per authenticated request, whatever the number of alerts."""
+        shown = []
+        for req, result in zip(parsed.requests[:5], results[:5], strict=False):
+            target = "/".join(v for _, v in req.target)
+            shown.append(f"{req.alert_name} {req.action}{'' if req.firing else ' (resolved)'} {loggable(target)}"
+                         f" -> {loggable(result['result'], 120)}")
+        if len(parsed.requests) > 5:
+            shown.append(f"... {len(parsed.requests) - 5} more")
+        text = f"webhook from {loggable(client, 64)}: {len(parsed.requests)} alert(s)"
+        if shown:
+            text += ": " + "; ".join(shown)
+        if parsed.rejected:
+            text += f"; {len(parsed.rejected)} rejected (first: {loggable(parsed.rejected[0], 200)})"
+        log.log(logging.WARNING if parsed.rejected else logging.INFO, "%s", text)
 
-            def _reply(self, code: int, doc: Mapping[str, Any]) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    def _refuse(self, start_response: StartResponse, code: int, message: str, result: str, client: str,
+                why: str, headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+        self.metrics.count_request(result)
+        self._log_refusal(result, f"{loggable(client, 64)}: {loggable(why, 200)}")
+        return self._reply(start_response, code, {"error": message}, headers)
 
-            def do_GET(self) -> None:
-                self._reply(405, {"error": "POST Alertmanager webhook payloads to " + server.PATH})
+    def _refused(self, kind: str) -> None:
+        """waitress answered itself (413/431, malformed HTTP, 500) before the app ran."""
+        result = "too_large" if kind == "too_large" else "rejected"
+        self.metrics.count_request(result)
+        why = "body or headers over the limit" if kind == "too_large" else f"{kind.replace('_', ' ')} (HTTP)"
+        self._log_refusal(result, f"{why}, answered by the HTTP server")
 
-            def do_POST(self) -> None:
-                if self.path != server.PATH:
-                    self._reply(404, {"error": f"unknown path; use {server.PATH}"})
-                    return
-                if not server.authorized(self.headers.get("Authorization")):
-                    server.unauthorized_total += 1
-                    log.warning("webhook: unauthorized request from %s", self.client_address[0])
-                    self._reply(401, {"error": "missing or wrong bearer token"})
-                    return
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    length = -1
-                if length < 0 or length > MAX_BODY_BYTES:
-                    self._reply(413, {"error": f"body must be 0..{MAX_BODY_BYTES} bytes"})
-                    return
-                code, doc = server.handle_payload(self.rfile.read(length))
-                self._reply(code, doc)
+    def _log_refusal(self, result: str, text: str) -> None:
+        skipped = self._gate.admit(result)
+        if skipped is not None:
+            more = f" ({skipped} more like it since the last line)" if skipped else ""
+            log.warning("webhook: %s request: %s%s", result.replace("_", " "), text, more)
 
-        return _Request
+    @staticmethod
+    def _reply(start_response: StartResponse, code: int, doc: Mapping[str, Any],
+               headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+        data = json.dumps(doc).encode()
+        start_response(f"{code} {_REASONS[code]}", [("Content-Type", "application/json"),
+                                                     ("Content-Length", str(len(data))), *(headers or [])])
+        return [data]
 
 
 def token_from_env_or_file(path: str | None) -> str | None:

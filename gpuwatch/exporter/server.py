@@ -1,116 +1,140 @@
 """HTTP server for the exporter: `/metrics` from a private CollectorRegistry and, when a
-snapshot source is given, `/snapshot.json` (so `gpuwatch top` can attach to a running
-agent instead of sampling on its own).
+snapshot source is given and the listener is on loopback (or `snapshot_remote`),
+`/snapshot.json` (so `gpuwatch top` can attach to a running agent instead of sampling on
+its own).
 
 `/metrics` is always the Prometheus text format (0.0.4), rendered by
 `exposition.render_text` (prometheus_client's format, several times cheaper at node
 scale); Prometheus accepts it whatever it prefers. `?format=openmetrics` (or an Accept
-header naming only OpenMetrics) goes to prometheus_client's own WSGI app. Served by a
-threading wsgiref server in a daemon thread.
+header naming only OpenMetrics) goes to prometheus_client's own WSGI app.
+
+Served by gpuwatch.httpserve (waitress with limits, METRICS_LIMITS): a few worker threads
+whatever the number of connections, idle/request/response deadlines, a connection cap
+that closes the longest-idle connections for new clients, bodies limited while read
+(no endpoint here takes one). GET and HEAD only: other methods get 405 with Allow.
 The default address is loopback; exposing it (0.0.0.0 in the DaemonSet) is the caller's
-explicit choice.
+explicit choice, and then serves the metrics only: /snapshot.json carries host pids,
+process names, cgroup paths and pod UIDs, so a non-loopback listener answers it 403
+unless the caller passes snapshot_remote=True (`gpuwatch agent --snapshot-remote`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
+from gpuwatch.httpserve import BoundedServer, ServerLimits
 from gpuwatch.model import Snapshot
 from gpuwatch.snapshot_doc import dumps as snapshot_document
 
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 9400
+# Prometheus (an HA pair), the kubelet's probe and a few `top --agent` need a handful of
+# connections; rendering is CPU-bound under the GIL, so more threads would not scrape faster.
+# An open connection costs a few kB and no thread: 256 lets the longest-idle be closed fast
+# enough under a flood that a scrape gets through in about a second (2,000 idle sockets).
+METRICS_LIMITS = ServerLimits(threads=4, connection_limit=256, backlog=128, idle_timeout_s=30,
+                              request_timeout_s=10, response_timeout_s=60, max_body_bytes=16 * 1024,
+                              max_header_bytes=32 * 1024)
+ALLOW = "GET, HEAD"
 
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
+_REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds would flood the log; errors surface as metrics."""
+def _plain(start_response: StartResponse, code: int, text: str, allow: str | None = None) -> list[bytes]:
+    body = (text + "\n").encode()
+    headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+    if allow:
+        headers.append(("Allow", allow))
+    start_response(f"{code} {_REASONS[code]}", headers)
+    return [body]
 
 
-def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | None) -> WsgiApp:
+def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | None,
+         serve_snapshot: bool) -> WsgiApp:
     metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "/")
-        if path == "/snapshot.json" and get_snapshot is not None:
+        path = environ.get("PATH_INFO") or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        known = path in ("/metrics", "/") or (path == "/snapshot.json" and get_snapshot is not None)
+        if not known:
+            hint = "/metrics" + (" or /snapshot.json" if get_snapshot is not None and serve_snapshot else "")
+            return _plain(start_response, 404, f"not found: try {hint}")
+        if method not in ("GET", "HEAD"):
+            return _plain(start_response, 405, f"{path} takes GET", allow=ALLOW)
+        if path == "/snapshot.json":
+            assert get_snapshot is not None
+            if not serve_snapshot:
+                return _plain(start_response, 403, "/snapshot.json (host pids, process names, cgroup paths) is "
+                              "served on loopback listeners only; start the agent with --snapshot-remote "
+                              "to serve it here")
             body = snapshot_document(get_snapshot(), indent=None).encode()
             start_response("200 OK", [("Content-Type", "application/json"),
                                       ("Content-Length", str(len(body)))])
             return [body]
-        if path in ("/metrics", "/"):
-            accept = environ.get("HTTP_ACCEPT", "")
-            if "format=openmetrics" in environ.get("QUERY_STRING", "") or (
-                    "openmetrics" in accept and "text/plain" not in accept and "*/*" not in accept):
-                return metrics_app(environ, start_response)
-            body = render_text(registry)
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
-            return [body]
-        body = b"not found: try /metrics" + (b" or /snapshot.json" if get_snapshot else b"") + b"\n"
-        start_response("404 Not Found", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        accept = environ.get("HTTP_ACCEPT", "")
+        if "format=openmetrics" in environ.get("QUERY_STRING", "") or (
+                "openmetrics" in accept and "text/plain" not in accept and "*/*" not in accept):
+            return metrics_app(environ, start_response)
+        body = render_text(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
         return [body]
 
     return app
 
 
-@dataclass
 class ExporterServer:
     """A running exporter; `port` is the bound port (useful with port=0)."""
 
-    address: str
-    port: int
-    _server: _ThreadingWSGIServer
-    _thread: threading.Thread
+    def __init__(self, server: BoundedServer, address: str, serves_snapshot: bool) -> None:
+        self._server = server
+        self.address = address
+        self.port = server.port
+        self.serves_snapshot = serves_snapshot
 
     @property
     def url(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"http://{host}:{self.port}"
 
+    @property
+    def http(self) -> BoundedServer:
+        """The underlying server (limits, open connections, evictions, timeouts)."""
+        return self._server
+
     def stop(self) -> None:
-        """Stop serving and release the port (idempotent)."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join(5.0)
-        self._server.server_close()
+        """Stop serving, close every connection and release the port (idempotent)."""
+        self._server.stop()
 
     shutdown = stop
 
 
 def serve(collector_registry: CollectorRegistry, address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT,
-          get_snapshot: Callable[[], Snapshot] | None = None) -> ExporterServer:
+          get_snapshot: Callable[[], Snapshot] | None = None, *, snapshot_remote: bool = False,
+          limits: ServerLimits = METRICS_LIMITS) -> ExporterServer:
     """Serve /metrics (and /snapshot.json) in a daemon thread; returns the running server.
 
-    Raises OSError (e.g. EADDRINUSE) if the address cannot be bound.
+    /snapshot.json is served when `get_snapshot` is given and the listener is on loopback, or
+    anywhere with `snapshot_remote`. Raises OSError (e.g. EADDRINUSE) if the address cannot
+    be bound.
     """
-    server_class: type[_ThreadingWSGIServer] = _ThreadingWSGIServer
-    if ":" in address:
-        import socket
+    holder: dict[str, WsgiApp] = {}
 
-        class _V6(_ThreadingWSGIServer):
-            address_family = socket.AF_INET6
+    def dispatch(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        return holder["app"](environ, start_response)
 
-        server_class = _V6
-    httpd = make_server(address, port, _app(collector_registry, get_snapshot),
-                        server_class=server_class, handler_class=_QuietHandler)
-    thread = threading.Thread(target=httpd.serve_forever, name="gpuwatch-exporter", daemon=True)
-    thread.start()
-    return ExporterServer(address=address, port=httpd.server_port, _server=httpd, _thread=thread)
+    server = BoundedServer(dispatch, address, port, name="gpuwatch-exporter", limits=limits)
+    serves_snapshot = get_snapshot is not None and (snapshot_remote or server.loopback)
+    holder["app"] = _app(collector_registry, get_snapshot, serves_snapshot)
+    server.start()
+    return ExporterServer(server, address, serves_snapshot)
 
 
 def registry_for(get_snapshot: Callable[[], Snapshot]) -> CollectorRegistry:

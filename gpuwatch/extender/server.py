@@ -1,11 +1,12 @@
-"""The extender's HTTP service: a WSGI app served by waitress.
+"""The extender's HTTP service: a WSGI app served by waitress (gpuwatch.httpserve).
 
 waitress (a well-kept pure-Python WSGI server) gives what a webhook kube-scheduler calls
-on every scheduling cycle needs without code of ours: HTTP/1.1 keep-alive, a bounded
-thread pool (`threads`), a cap on open connections (`connection_limit`; the rest wait in
-the listen backlog), a request-body limit enforced while reading (413 past it), and
-`channel_timeout` closing idle or stalled connections (a Content-Length longer than the
-body cannot hold a thread). This module only routes and answers:
+on every scheduling cycle needs: HTTP/1.1 keep-alive, a bounded thread pool (`threads`),
+a cap on open connections (`connection_limit`; the longest-idle are closed for new
+clients, the rest wait in the listen backlog), a request-body limit enforced while reading
+(413 past it), and idle/request deadlines closing idle or stalled connections (a
+Content-Length longer than the body cannot hold a thread). This module only routes and
+answers:
 
     POST <prefix>/filter       ExtenderArgs -> ExtenderFilterResult
     POST <prefix>/prioritize   ExtenderArgs -> HostPriorityList
@@ -33,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.extender.request import BadRequest
 from gpuwatch.extender.service import Extender
+from gpuwatch.httpserve import BoundedServer, JsonRejected, ServerLimits, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +71,6 @@ class ExtenderMetrics:
             self.prometheus_queries.set_function(prometheus_queries)
         if promises is not None:
             self.promised.set_function(promises)
-
-
-def _depth_ok(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Nesting depth of parsed JSON within `limit` (iterative: no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
-    return True
 
 
 class ExtenderApp:
@@ -130,11 +118,9 @@ class ExtenderApp:
             return "400 Bad Request", {"Error": f"{verb} needs a JSON ExtenderArgs body"}, "bad_request"
         raw = environ["wsgi.input"].read(length)
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as err:
-            return "400 Bad Request", {"Error": f"request body is not JSON: {str(err)[:200]}"}, "bad_request"
-        if not _depth_ok(body):
-            return "400 Bad Request", {"Error": f"request JSON nested deeper than {MAX_JSON_DEPTH}"}, "bad_request"
+            body = parse_json(raw, MAX_JSON_DEPTH)
+        except JsonRejected as err:
+            return "400 Bad Request", {"Error": f"request {err}"}, "bad_request"
         try:
             if verb == "filter":
                 result = self.extender.filter(body)
@@ -167,44 +153,30 @@ class ExtenderApp:
 
 
 class ExtenderServer:
-    """waitress serving an ExtenderApp in a background thread (`start`/`stop`) or the foreground (`run`)."""
+    """An ExtenderApp on gpuwatch.httpserve (waitress with limits) in a background thread
+    (`start`/`stop`) or the foreground (`run`)."""
 
     def __init__(self, app: ExtenderApp, host: str, port: int, *, threads: int = 8, connection_limit: int = 200,
-                 channel_timeout_s: int = 30, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        from waitress.server import create_server
-
-        self.server = create_server(app, host=host, port=port, threads=threads, connection_limit=connection_limit,
-                                    channel_timeout=channel_timeout_s, max_request_body_size=max_body_bytes,
-                                    cleanup_interval=max(1, channel_timeout_s // 3),
-                                    ident="gpuwatch-extender", clear_untrusted_proxy_headers=True)
-        self.port = int(self.server.effective_port)
+                 channel_timeout_s: int = 30, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 request_timeout_s: int = 60) -> None:
+        limits = ServerLimits(threads=threads, connection_limit=connection_limit, backlog=1024,
+                              idle_timeout_s=channel_timeout_s, request_timeout_s=request_timeout_s,
+                              response_timeout_s=max(60, channel_timeout_s), max_body_bytes=max_body_bytes,
+                              max_header_bytes=64 * 1024)
+        self.http = BoundedServer(app, host, port, name="gpuwatch-extender", limits=limits)
+        self.port = self.http.port
         self.host = host
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self.http.url
 
     def run(self) -> None:
-        self.server.run()
+        self.http.run()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.server.run, name="gpuwatch-extender", daemon=True)
-        self._thread.start()
+        self.http.start()
 
     def stop(self) -> None:
         """Close the listener and every open (keep-alive) connection, then the worker threads."""
-        server = self.server
-
-        def close_all() -> None:  # runs in the server's loop thread, where the channel map lives
-            for channel in list(server._map.values()):
-                channel.close()
-
-        if self._thread is not None and self._thread.is_alive():
-            server.trigger.pull_trigger(close_all)
-            self._thread.join(5)
-            self._thread = None
-        else:
-            server.close()
-        server.task_dispatcher.shutdown()
+        self.http.stop()

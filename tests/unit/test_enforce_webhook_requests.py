@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.cgroupfs import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.webhook import WebhookRequest
+from gpuwatch.enforce.webhook import WebhookRequest, WebhookServer
 from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 
 POLICY = """
@@ -20,6 +27,7 @@ rules:
   - name: all
     match: {default: true}
 """
+TOKEN = "webhook-test-token-0123456789"
 
 
 def ident(name: str, namespace: str) -> ContainerIdentity:
@@ -100,3 +108,44 @@ def test_throttle_without_share_in_policy_is_ignored(tmp_path: Path) -> None:
     e = enforcer(tmp_path)
     assert "gpu_time_share" in e.on_webhook(request("throttle", container_id="id-a"))
     e.close()
+
+
+def test_hostile_alert_names_reach_the_enforcer_log_and_audit_escaped_and_short(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Over real HTTP into the enforcer: a newline in alertname forges no log line in the webhook's
+    or the enforcer's log, a 400 kB alertname is no 400 kB line, and the audit names the alert
+    escaped; without the token nothing reaches the enforcer."""
+    e = enforcer(tmp_path, dry_run=False)
+    srv = WebhookServer("127.0.0.1", 0, TOKEN, e.on_webhook)
+    srv.start()
+    forged = "GpuHog\n2026-01-01 00:00:00,000 WARNING gpuwatch.enforce.enforcer: forged\r\x1b[2J" + "x" * 400_000
+    alerts = [{"status": "firing", "labels": {"alertname": forged, "namespace": "ml", "pod": pod}}
+              for pod in ("a-pod", "nope-pod")]
+    body = json.dumps({"alerts": alerts}).encode()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="gpuwatch"):
+            assert _post(srv.port, body, "wrong-token-0123456789")[0] == 401
+            assert not (tmp_path / "audit.jsonl").read_text()
+            code, doc = _post(srv.port, body, TOKEN)
+        assert code == 200 and [r["result"].split(":")[0] for r in doc["results"]] == ["ok", "ignored"]
+        for record in caplog.records:
+            text = record.getMessage()
+            assert "\n" not in text and "\r" not in text and "\x1b" not in text and len(text) < 2000, text
+        webhook_lines = [r for r in caplog.records if r.name == "gpuwatch.enforce.webhook"]
+        assert len(webhook_lines) == 2  # the 401 and one summary line for the two alerts
+        (audited,) = read_audit(tmp_path / "audit.jsonl")
+        rule = str(audited["rule"])
+        assert rule.startswith("webhook:GpuHog\\n2026") and len(rule) < 300
+    finally:
+        srv.stop()
+        e.close()
+
+
+def _post(port: int, body: bytes, token: str) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/alerts", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -203,3 +204,52 @@ def test_server_speaks_text_to_prometheus_and_openmetrics_when_asked_only_for_th
     finally:
         server.stop()
         server.stop()  # idempotent
+
+
+def _http(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def test_only_get_and_head_are_answered_others_get_405_with_allow() -> None:
+    """Issue 13: POST/PUT/DELETE on /metrics answered 200."""
+    _, sampler, _ = pipeline()
+    sampler.run_once()
+    server = serve(registry_for(sampler.latest), "127.0.0.1", 0, get_snapshot=sampler.latest)
+    try:
+        for path in ("/metrics", "/", "/snapshot.json"):
+            for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+                code, headers, _ = _http(server.url + path, method, b"{}" if method in ("POST", "PUT") else None)
+                assert (code, headers.get("Allow")) == (405, "GET, HEAD"), (path, method)
+            code, headers, body = _http(server.url + path, "HEAD")
+            assert code == 200 and body == b"" and int(headers["Content-Length"]) > 0
+        assert _http(server.url + "/nope", "POST", b"x")[0] == 404
+    finally:
+        server.stop()
+
+
+def test_snapshot_json_only_on_loopback_listeners_unless_snapshot_remote() -> None:
+    """Issue 13: /snapshot.json (host pids, process names, cgroup paths, pod UIDs) was served on
+    whatever address the metrics port listened on, 0.0.0.0 in the DaemonSet."""
+    _, sampler, _ = pipeline()
+    sampler.run_once()
+    exposed = serve(registry_for(sampler.latest), "0.0.0.0", 0, get_snapshot=sampler.latest)
+    opted_in = serve(registry_for(sampler.latest), "0.0.0.0", 0, get_snapshot=sampler.latest,
+                     snapshot_remote=True)
+    local = serve(registry_for(sampler.latest), "127.0.0.1", 0, get_snapshot=sampler.latest)
+    try:
+        assert not exposed.serves_snapshot and opted_in.serves_snapshot and local.serves_snapshot
+        base = f"http://127.0.0.1:{exposed.port}"
+        code, _, body = _http(base + "/snapshot.json")
+        assert code == 403 and b"--snapshot-remote" in body
+        assert _http(base + "/metrics")[0] == 200  # metrics only
+        for server in (opted_in, local):
+            code, _, body = _http(f"http://127.0.0.1:{server.port}/snapshot.json")
+            assert code == 200 and json.loads(body)["node"] == "node-1"
+    finally:
+        for server in (exposed, opted_in, local):
+            server.stop()

@@ -1,0 +1,361 @@
+"""A WSGI app on a waitress server that bounds itself, in a background thread.
+
+The agent's metrics port (0.0.0.0 in the DaemonSet, unauthenticated), its webhook and the
+extender all listen with this. waitress (a well-kept pure-Python WSGI server) does the HTTP:
+a fixed pool of worker threads (`threads`) that only ever runs complete requests — idle or
+half-sent connections wait in its event loop and cost no thread — bodies limited while they
+are read (413 past `max_body_bytes`, before the app runs), header size limited (431), and
+idle connections closed after `idle_timeout_s`. This module adds what waitress leaves open:
+
+* a **request deadline**: a request (headers and body) must arrive within
+  `request_timeout_s` of its first byte — a client that trickles a byte a second, or sends a
+  Content-Length longer than its body, is cut off instead of holding a connection for ever;
+* a **response deadline**: a client that does not take its answer within
+  `response_timeout_s` is disconnected (its buffered answer freed);
+* a **connection cap that does not lock out real clients**: at `connection_limit` open
+  connections, when a new one is waiting, the connections that have been idle (or stuck in
+  an unfinished request) the longest — at least EVICTABLE_AFTER_S — are closed to make
+  room: 2,000 idle sockets cannot keep Prometheus out; the rest wait in the listen backlog
+  (`backlog`), never a thread each;
+* logs that cannot be flooded from outside (waitress's per-event warnings are limited to
+  one a minute each), and a hook that tells the app's owner about requests waitress refused
+  itself (`on_refused("too_large" | "bad_request" | "internal")`).
+
+`parse_json` reads a request body with a nesting limit, so no input reaches a RecursionError.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from waitress.adjustments import Adjustments
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer
+from waitress.task import ErrorTask, ThreadedTaskDispatcher
+
+log = logging.getLogger(__name__)
+
+EVICTABLE_AFTER_S = 0.5  # at the connection cap, connections idle this long make room for new ones
+
+StartResponse = Callable[..., Any]
+WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one listener may cost. Timeouts are whole seconds (waitress's resolution)."""
+
+    threads: int = 4  # worker threads: requests served at once (complete requests only)
+    connection_limit: int = 64  # open connections; more wait in the listen backlog
+    backlog: int = 128  # the kernel's queue of not-yet-accepted connections
+    idle_timeout_s: int = 30  # a connection with no request in flight and no bytes either way
+    request_timeout_s: int = 10  # from a request's first byte to its last
+    response_timeout_s: int = 60  # a client must take its answer within this
+    max_body_bytes: int = 16 * 1024  # enforced while reading: 413 past it
+    max_header_bytes: int = 32 * 1024  # 431 past it
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "connection_limit", "backlog", "idle_timeout_s", "request_timeout_s",
+                     "response_timeout_s", "max_body_bytes", "max_header_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ServerLimits.{name} must be >= 1")
+
+
+class _OncePerInterval(logging.Filter):
+    """Let a given message template through once per `interval_s` (waitress logs per event:
+    "Task queue depth is N", socket errors... — a client could flood the log with them)."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        key = str(record.msg)[:200]
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                return False
+            if len(self._last) > 200:
+                self._last.clear()
+            self._last[key] = now
+        return True
+
+
+_FILTER = _OncePerInterval()
+
+
+def _quiet_waitress() -> None:
+    for name in ("waitress", "waitress.queue"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def _refusal_kind(error: Any) -> str:
+    name = type(error).__name__
+    if name in ("RequestEntityTooLarge", "RequestHeaderFieldsTooLarge"):
+        return "too_large"
+    if name == "InternalServerError":
+        return "internal"
+    return "bad_request"
+
+
+class _ErrorTask(ErrorTask):
+    """waitress's own error answer (413, 431, 400, 500), reported to the server's owner first."""
+
+    def execute(self) -> None:
+        hook = getattr(self.channel.server, "on_refused", None)
+        if hook is not None:
+            try:
+                hook(_refusal_kind(self.request.error))
+            except Exception:  # a counting hook never stops the answer
+                log.debug("on_refused hook failed", exc_info=True)
+        super().execute()
+
+
+class _Channel(HTTPChannel):
+    error_task_class = _ErrorTask
+
+
+class _Server(TcpWSGIServer):
+    """One listener with deadlines and connection eviction (runs in the event-loop thread)."""
+
+    channel_class = _Channel
+
+    def __init__(self, app: WsgiApp, sock: socket.socket, limits: ServerLimits,
+                 on_refused: Callable[[str], None] | None, ident: str) -> None:
+        self.limits = limits
+        self.on_refused = on_refused
+        self.evicted_total = 0
+        self.timed_out_total = 0
+        self._reading: dict[Any, tuple[Any, float]] = {}  # channel -> (partial request, first seen)
+        self._writing: dict[Any, float] = {}  # channel -> first seen with unsent output
+        self._last_full_log = 0.0
+        self._next_cleanup = 0.0
+        adj = Adjustments(sockets=[sock], threads=limits.threads, backlog=limits.backlog,
+                          connection_limit=limits.connection_limit,  # checked by readable() below
+                          channel_timeout=limits.idle_timeout_s, cleanup_interval=1,
+                          max_request_body_size=limits.max_body_bytes,
+                          max_request_header_size=limits.max_header_bytes,
+                          ident=ident, clear_untrusted_proxy_headers=True, log_socket_errors=False,
+                          asyncore_use_poll=True,  # select() fails past fd 1023
+                          expose_tracebacks=False)
+        dispatcher = ThreadedTaskDispatcher()
+        dispatcher.set_thread_count(limits.threads)
+        super().__init__(app, {}, True, sock, dispatcher=dispatcher, adj=adj, bind_socket=False,
+                         sockinfo=(sock.family, sock.type, sock.proto, sock.getsockname()))
+
+    # -- deadlines -------------------------------------------------------------------------
+    def maintenance(self, now: float) -> None:
+        super().maintenance(now)  # idle connections: waitress's channel_timeout
+        reading: dict[Any, tuple[Any, float]] = {}
+        writing: dict[Any, float] = {}
+        for channel in list(self.active_channels.values()):
+            partial = channel.request
+            if partial is not None and not channel.will_close:
+                seen = self._reading.get(channel)
+                since = seen[1] if seen is not None and seen[0] is partial else now
+                if now - since > self.limits.request_timeout_s:
+                    self._cut(channel)
+                    continue
+                reading[channel] = (partial, since)
+            if channel.total_outbufs_len:
+                since = self._writing.get(channel, now)
+                if now - since > self.limits.response_timeout_s:
+                    self._cut(channel)
+                    continue
+                writing[channel] = since
+        self._reading, self._writing = reading, writing
+
+    def _cut(self, channel: Any) -> None:
+        self.timed_out_total += 1
+        channel.will_close = True
+        if channel.total_outbufs_len:
+            # will_close is acted on when the socket is writable, which a client that does
+            # not read never makes it: close from the event loop's next turn instead
+            self.trigger.pull_trigger(lambda: channel.connected and channel.handle_close())
+
+    # -- connection cap ----------------------------------------------------------------------
+    def readable(self) -> bool:
+        now = time.time()
+        if now >= self._next_cleanup:
+            self._next_cleanup = now + self.adj.cleanup_interval
+            self.maintenance(now)
+        if not self.accepting:
+            return False
+        if len(self.active_channels) < self.limits.connection_limit:
+            return True
+        self._make_room(now)
+        return False
+
+    def _make_room(self, now: float) -> None:
+        """At the cap with a connection waiting: close the ones idle (or stuck mid-request)
+        the longest. Connections with a request being served or an answer being sent stay."""
+        channels = list(self.active_channels.values())
+        if any(c.will_close or c.close_when_flushed for c in channels) or not self._connection_waiting():
+            return
+        candidates = []
+        for channel in channels:
+            if channel.requests or channel.total_outbufs_len:
+                continue
+            if channel.request is not None:
+                seen = self._reading.get(channel)
+                since = seen[1] if seen is not None and seen[0] is channel.request else now
+            else:
+                since = channel.last_activity
+            if now - since >= EVICTABLE_AFTER_S:  # a fresh connection is being read, not idle
+                candidates.append((since, id(channel), channel))
+        candidates.sort(key=lambda item: (item[0], item[1]))
+        for _, _, channel in candidates[: max(1, self.limits.connection_limit // 4)]:
+            channel.will_close = True
+            self.evicted_total += 1
+        if candidates and now - self._last_full_log > 60:
+            self._last_full_log = now
+            log.warning("%s: %d open connections (the limit): closing the longest-idle ones for new "
+                        "clients (%d closed so far)", self.adj.ident, len(channels), self.evicted_total)
+
+    def _connection_waiting(self) -> bool:
+        try:
+            poller = select.poll()
+            poller.register(self.socket.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """One listening socket for host:port (the first address host resolves to)."""
+    infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    family, socktype, proto, _, address = infos[0]
+    sock = socket.socket(family, socktype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a numeric address (IPv4, IPv6, IPv4-mapped IPv6) is a loopback address."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(mapped.is_loopback if mapped is not None else ip.is_loopback)
+
+
+class BoundedServer:
+    """A WSGI app served by waitress with ServerLimits: `start()`/`stop()` in a daemon thread,
+    or `run()` in the foreground. Binding happens in the constructor (OSError if it cannot)."""
+
+    def __init__(self, app: WsgiApp, host: str, port: int, *, name: str, limits: ServerLimits | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        _quiet_waitress()
+        self.name = name
+        self.limits = limits or ServerLimits()
+        sock = _bind(host, port)
+        try:
+            self.server = _Server(app, sock, self.limits, on_refused, ident=name)
+        except Exception:
+            sock.close()
+            raise
+        bound = sock.getsockname()
+        self.address = str(bound[0])
+        self.port = int(bound[1])
+        self.host = host
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the listener is on a loopback address (only this host can connect)."""
+        return is_loopback(self.address)
+
+    @property
+    def evicted_total(self) -> int:
+        return int(self.server.evicted_total)
+
+    @property
+    def timed_out_total(self) -> int:
+        return int(self.server.timed_out_total)
+
+    def open_connections(self) -> int:
+        return len(self.server.active_channels)
+
+    def run(self) -> None:
+        self.server.run()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.server.run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the listener and every open (keep-alive) connection, then the worker threads
+        (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        server = self.server
+
+        def close_all() -> None:  # runs in the event-loop thread, where the channel map lives
+            for dispatcher in list(server._map.values()):
+                dispatcher.close()
+
+        if self._thread is not None and self._thread.is_alive():
+            server.trigger.pull_trigger(close_all)
+            self._thread.join(5)
+            self._thread = None
+        else:
+            server.close()
+        server.task_dispatcher.shutdown(timeout=5)
+
+
+class JsonRejected(ValueError):
+    """A request body that is not acceptable JSON; the message says why (safe to return)."""
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    """Nesting depth of parsed JSON within `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return True
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """A JSON body nested at most `max_depth` deep; JsonRejected (with the reason) otherwise."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise JsonRejected(f"JSON nested deeper than {max_depth}") from None
+    except (ValueError, TypeError) as err:
+        raise JsonRejected(f"body is not JSON: {str(err)[:200]}") from None
+    if not _depth_ok(value, max_depth):
+        raise JsonRejected(f"JSON nested deeper than {max_depth}")
+    return value
