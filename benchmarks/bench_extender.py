@@ -452,6 +452,25 @@ def proc_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def children_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) summed over a process's children (the extender's cluster-view worker)."""
+    rss = hwm = 0.0
+    try:
+        kids = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except OSError:
+        return rss, hwm
+    for kid in kids:
+        try:
+            r, h = proc_mib(kid)
+        except OSError:
+            continue
+        rss, hwm = rss + r, hwm + h
+    return rss, hwm
+
+
 def extender_counter(base: str, name: str) -> float:
     status, body = _get(f"{base}/metrics")
     if status != 200:
@@ -840,8 +859,9 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=200,
                         help="sequential scheduling cycles per candidate count, cached phase")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients")
-    parser.add_argument("--idle-cycles", dest="idle_cycles", type=int, default=8,
-                        help="scheduling cycles per candidate count after an idle spell (10 s each)")
+    parser.add_argument("--idle-cycles", dest="idle_cycles", type=int, default=4,
+                        help="scheduling cycles per candidate count after an idle spell (--max-data-age + 0.5 s "
+                             "each, so the request must refresh the view from Prometheus)")
     parser.add_argument("--horizon", type=int, default=900,
                         help="seconds of data written past the start (the run must end before)")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (TSDB, logs)")
@@ -905,13 +925,9 @@ def _ms_list(values: Sequence[float]) -> str:
 
 
 def revalidate_age_s() -> float:
-    """How old the extender's view may get before a request waits for a refresh (its default)."""
-    import inspect
-
-    from gpuwatch.cluster.source import PrometheusCluster
-
-    default = inspect.signature(PrometheusCluster).parameters.get("revalidate_s")
-    return float(default.default) if default is not None and isinstance(default.default, int | float) else 10.0
+    """How old the extender's view may get before a request waits for a refresh: the CLI
+    serves a view (refreshing it in the background) while it is within --max-data-age."""
+    return MAX_DATA_AGE_S
 
 
 def run(plan: Plan, work: Path) -> int:
@@ -1025,16 +1041,18 @@ def run(plan: Plan, work: Path) -> int:
             finally:
                 client.close()
             rss = (idle_rss, *proc_mib(ext.pid))
+            worker_rss = children_mib(ext.pid)
         check_window()
         rng = random.Random(3)
         promised = [str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(max(1, int(promised_now or 0)))]
         parts = breakdown(prom_url, names, plan.candidates, plan.reps, promised)
         prom_rss = proc_mib(prom.pid)
-    return report(plan, rows, rss, parts, notes, errors, prom_rss, time.monotonic() - t_start)
+    return report(plan, rows, rss, worker_rss, parts, notes, errors, prom_rss, time.monotonic() - t_start)
 
 
-def report(plan: Plan, rows: list[Row], rss: tuple[float, float, float], parts: Breakdown,
-           notes: list[str], errors: list[str], prom_rss: tuple[float, float], elapsed_s: float) -> int:
+def report(plan: Plan, rows: list[Row], rss: tuple[float, float, float], worker_rss: tuple[float, float],
+           parts: Breakdown, notes: list[str], errors: list[str], prom_rss: tuple[float, float],
+           elapsed_s: float) -> int:
     print()
     print_table(rows)
     misses = [f"p99 of {r.phase.strip()} {r.verb} at {r.nodes} nodes" for r in rows if not r.ok]
@@ -1046,6 +1064,8 @@ def report(plan: Plan, rows: list[Row], rss: tuple[float, float, float], parts: 
     print(f"{'extender memory (MiB)':<36}{'idle':>9}{'VmRSS':>9}{'VmHWM':>9}{'target':>8}  met")
     print(f"{'after the run':<36}{idle:>9.1f}{now_rss:>9.1f}{hwm:>9.1f}{'<' + format(TARGET_RSS_MIB, '.0f'):>8}  "
           f"{'yes' if rss_ok else 'NO'}")
+    print(f"{'  its cluster-view worker process':<36}{'':>9}{worker_rss[0]:>9.1f}{worker_rss[1]:>9.1f}"
+          f"{'':>8}  (parses Prometheus' answers; the target above is the serving process's)")
     print(f"(idle: right after start; VmRSS after the run and the peak VmHWM both count. Of the Python heap, one "
           f"batch of answers, pair scores included, holds {parts.batch_mib:.0f} MiB, the ClusterState built from it "
           f"{parts.state_mib:.0f} MiB, peak while fetching and building {parts.peak_mib:.0f} MiB; during a refresh "

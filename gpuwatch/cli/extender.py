@@ -87,7 +87,10 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _limit_malloc_arenas()
     host, port = parse_listen(listen, "--listen")
-    cluster = PrometheusCluster(prometheus_url, timeout_s=prometheus_timeout_s, cache_s=cache_s)
+    # a view is refreshed in the background once older than --cache, and served meanwhile
+    # while its data is within --max-data-age (the bound filter enforces anyway)
+    cluster = PrometheusCluster(prometheus_url, timeout_s=prometheus_timeout_s, cache_s=cache_s,
+                                revalidate_s=max_data_age_s)
     promises = Promises(ttl_s=promise_ttl_s)
     service = Extender(cluster, PlacementConfig(policy=policy, margin_bytes=_size(memory_margin),
                                                 max_data_age_s=max_data_age_s), promises)

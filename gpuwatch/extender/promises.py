@@ -42,6 +42,7 @@ class Promises:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_pod: dict[str, Promise] = {}
+        self.version = 0  # bumps whenever a promise is added or dropped
 
     def add(self, pod_uid: str, namespace: str, node: str, gpus: tuple[int, ...], bytes_per_gpu: int,
             exclusive: bool) -> None:
@@ -50,6 +51,7 @@ class Promises:
         with self._lock:
             self._by_pod.pop(pod_uid, None)
             self._by_pod[pod_uid] = Promise(pod_uid, namespace, node, gpus, bytes_per_gpu, exclusive, self._clock())
+            self.version += 1
             while len(self._by_pod) > self._max:
                 del self._by_pod[next(iter(self._by_pod))]
 
@@ -62,6 +64,7 @@ class Promises:
                 arrived = node is not None and any(c.pod_uid == uid for c in node.containers)
                 if arrived or now - promise.made_s > self.ttl_s:
                     del self._by_pod[uid]
+                    self.version += 1
 
     def current(self, exclude_pod: str = "") -> list[Promise]:
         """Live promises (optionally without one pod's own: re-scoring a pod must not block it)."""

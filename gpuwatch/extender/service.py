@@ -95,6 +95,9 @@ class Extender:
         self.promises = promises if promises is not None else Promises()
         self._clock = clock
         self._lock = threading.Lock()
+        # kube-scheduler sends prioritize the nodes filter just passed, for the same pod and,
+        # within a second, the same cluster view: the verdicts are reused, not recomputed
+        self._recent: dict[tuple[GpuRequest, int], tuple[ClusterState, dict[str, Verdict]]] = {}
 
     # ---- the verbs ----------------------------------------------------------------------
 
@@ -164,6 +167,19 @@ class Extender:
         return state
 
     def _verdicts(self, request: GpuRequest, names: Sequence[str], state: ClusterState) -> list[Verdict]:
+        key = (request, self.promises.version)
+        with self._lock:
+            seen_state, known = self._recent.get(key, (None, {}))
+        if seen_state is state and all(name in known for name in names):
+            return [known[name] for name in names]
+        verdicts = self._evaluate(request, names, state)
+        with self._lock:
+            if len(self._recent) >= 64:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = (state, {v.node: v for v in verdicts})
+        return verdicts
+
+    def _evaluate(self, request: GpuRequest, names: Sequence[str], state: ClusterState) -> list[Verdict]:
         promises = self.promises.current(exclude_pod=request.uid)
         promised = promised_on(promises)
         namespace_promised = float(sum(p.bytes_per_gpu * len(p.gpus) for p in promises
