@@ -17,9 +17,13 @@ idle connections closed after `idle_timeout_s`. This module adds what waitress l
   an unfinished request) the longest — at least EVICTABLE_AFTER_S — are closed to make
   room: 2,000 idle sockets cannot keep Prometheus out; the rest wait in the listen backlog
   (`backlog`), never a thread each;
+* a **budget for unsent answers** (`max_pending_output_bytes`, a quarter of it per client
+  address): clients that ask and do not read cannot make the server hold a rendered body
+  each — past the budget a request gets 503 (Retry-After) without running the app, and one
+  address that does not read does not cost the others their answers;
 * logs that cannot be flooded from outside (waitress's per-event warnings are limited to
   one a minute each), and a hook that tells the app's owner about requests waitress refused
-  itself (`on_refused("too_large" | "bad_request" | "internal")`).
+  itself (`on_refused("too_large" | "bad_request" | "internal" | "busy")`).
 
 `parse_json` reads a request body with a nesting limit, so no input reaches a RecursionError.
 """
@@ -62,10 +66,15 @@ class ServerLimits:
     response_timeout_s: int = 60  # a client must take its answer within this
     max_body_bytes: int = 16 * 1024  # enforced while reading: 413 past it
     max_header_bytes: int = 32 * 1024  # 431 past it
+    # answers written but not yet taken by their clients, all connections together: past it,
+    # or past a quarter of it for one client address, new requests get 503 without running
+    # the app (a client that asks and never reads costs this much at most, not a body each;
+    # requests checked at the same moment may each add one answer past it: one per thread)
+    max_pending_output_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         for name in ("threads", "connection_limit", "backlog", "idle_timeout_s", "request_timeout_s",
-                     "response_timeout_s", "max_body_bytes", "max_header_bytes"):
+                     "response_timeout_s", "max_body_bytes", "max_header_bytes", "max_pending_output_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1")
 
@@ -151,6 +160,7 @@ class _Server(TcpWSGIServer):
                           max_request_header_size=limits.max_header_bytes,
                           ident=ident, clear_untrusted_proxy_headers=True, log_socket_errors=False,
                           asyncore_use_poll=True,  # select() fails past fd 1023
+                          outbuf_overflow=min(limits.max_pending_output_bytes, 4 * 2**20),  # RAM, then a file
                           expose_tracebacks=False)
         dispatcher = ThreadedTaskDispatcher()
         dispatcher.set_thread_count(limits.threads)
@@ -268,9 +278,12 @@ class BoundedServer:
         _quiet_waitress()
         self.name = name
         self.limits = limits or ServerLimits()
+        self.busy_total = 0
+        self._app = app
+        self._on_refused = on_refused
         sock = _bind(host, port)
         try:
-            self.server = _Server(app, sock, self.limits, on_refused, ident=name)
+            self.server = _Server(self._guarded, sock, self.limits, on_refused, ident=name)
         except Exception:
             sock.close()
             raise
@@ -301,6 +314,36 @@ class BoundedServer:
 
     def open_connections(self) -> int:
         return len(self.server.active_channels)
+
+    def pending_output_bytes(self, peer: str | None = None) -> int:
+        """Bytes of answers written and not yet sent, all connections together (or one
+        client address's)."""
+        return sum(int(c.total_outbufs_len) for c in list(self.server.active_channels.values())
+                   if peer is None or (c.addr and c.addr[0] == peer))
+
+    def _over_budget(self, peer: str) -> bool:
+        total = mine = 0
+        for channel in list(self.server.active_channels.values()):
+            pending = int(channel.total_outbufs_len)
+            total += pending
+            if channel.addr and channel.addr[0] == peer:
+                mine += pending
+        budget = self.limits.max_pending_output_bytes
+        return total > budget or mine > budget // 4
+
+    def _guarded(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if self._over_budget(str(environ.get("REMOTE_ADDR", ""))):
+            self.busy_total += 1
+            if self._on_refused is not None:
+                try:
+                    self._on_refused("busy")
+                except Exception:
+                    log.debug("on_refused hook failed", exc_info=True)
+            body = b"busy: earlier answers have not been taken by their clients yet; retry\n"
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8"),
+                                                       ("Content-Length", str(len(body))), ("Retry-After", "1")])
+            return [body]
+        return self._app(environ, start_response)
 
     def run(self) -> None:
         self.server.run()

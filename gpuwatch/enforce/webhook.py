@@ -378,8 +378,8 @@ class WebhookServer:
         return self._reply(start_response, code, {"error": message}, headers)
 
     def _refused(self, kind: str) -> None:
-        """waitress answered itself (413/431, malformed HTTP, 500) before the app ran."""
-        result = "too_large" if kind == "too_large" else "rejected"
+        """The HTTP server answered itself (413/431, malformed HTTP, 500; 503 busy) before the app ran."""
+        result = {"too_large": "too_large", "busy": "rate_limited"}.get(kind, "rejected")
         self.metrics.count_request(result)
         why = "body or headers over the limit" if kind == "too_large" else f"{kind.replace('_', ' ')} (HTTP)"
         self._log_refusal(result, f"{why}, answered by the HTTP server")

@@ -36,9 +36,11 @@ DEFAULT_PORT = 9400
 # connections; rendering is CPU-bound under the GIL, so more threads would not scrape faster.
 # An open connection costs a few kB and no thread: 256 lets the longest-idle be closed fast
 # enough under a flood that a scrape gets through in about a second (2,000 idle sockets).
+# Unsent answers are capped at 32 MiB in all: a client that asks and never reads holds a
+# body until the 30 s response deadline, and past the cap new requests get 503 unrendered.
 METRICS_LIMITS = ServerLimits(threads=4, connection_limit=256, backlog=128, idle_timeout_s=30,
-                              request_timeout_s=10, response_timeout_s=60, max_body_bytes=16 * 1024,
-                              max_header_bytes=32 * 1024)
+                              request_timeout_s=10, response_timeout_s=30, max_body_bytes=16 * 1024,
+                              max_header_bytes=32 * 1024, max_pending_output_bytes=32 * 2**20)
 ALLOW = "GET, HEAD"
 
 StartResponse = Callable[..., Any]

@@ -207,6 +207,48 @@ def test_a_client_that_does_not_read_its_answer_is_cut_at_the_response_deadline(
         sock.close()
 
 
+def test_clients_that_ask_and_never_read_cannot_make_the_server_hold_a_body_each() -> None:
+    """40 connections each ask for a 32 MiB answer and read nothing: the server holds at most
+    its budget of unsent answers (the rest get a small 503 unrendered), memory stays bounded,
+    a well-behaved client at another address is answered, and the stuck answers are dropped at
+    the deadline."""
+    big = b"x" * (32 << 20)
+    rendered = [0]
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/small":
+            return hello(environ, start_response)
+        rendered[0] += 1
+        start_response("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(big)))])
+        return [big]
+
+    with app_server(app, max_pending_output_bytes=48 << 20, response_timeout_s=3, idle_timeout_s=30) as server:
+        rss_before = rss_mib()
+        socks = []
+        for i in range(40):  # one after the other (at once, each worker thread may add one answer)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            busy, pending = server.busy_total, server.pending_output_bytes()
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(sock)
+            assert wait_for(lambda b=busy, p=pending: server.busy_total > b or server.pending_output_bytes() > p, 5), i
+        pending = server.pending_output_bytes()
+        rss_peak = rss_mib()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10, source_address=("127.0.0.2", 0))
+        conn.request("GET", "/small")
+        assert conn.getresponse().read() == b"hello"
+        print(f"40 non-reading clients of a 32 MiB answer: rendered {rendered[0]}, 503 {server.busy_total}, "
+              f"pending {pending / 2**20:.0f} MiB, RSS {rss_before:.0f} -> {rss_peak:.0f} MiB")
+        assert rendered[0] == 1 and server.busy_total == 39  # over the per-address quarter after one
+        assert pending <= 48 << 20
+        assert rss_peak - rss_before < 120  # a handful of bodies, not 40 (1.3 GB)
+        assert wait_for(lambda: server.pending_output_bytes() == 0, 8), "dropped at the response deadline"
+        for sock in socks:
+            sock.close()
+        conn.close()
+
+
 def test_stop_closes_keep_alive_connections_releases_the_port_and_is_idempotent() -> None:
     server = BoundedServer(hello, "127.0.0.1", 0, name="test")
     server.start()
