@@ -21,7 +21,7 @@ from pathlib import Path
 from gpuwatch.enforce.actions.base import ActionResult
 from gpuwatch.enforce.frozen import RecoveryAction
 from gpuwatch.errors import EnforcementError
-from gpuwatch.policy.evaluate import Decision
+from gpuwatch.policy.decisions import Decision
 
 DEFAULT_AUDIT_PATH = Path("/var/log/gpuwatch/audit.jsonl")
 

@@ -6,15 +6,13 @@ each ask for 2 GiB more): at least two containers on one GPU are blocked on allo
 none can make progress. It is broken by removing the lowest-priority blocked container
 whose memory lets another one proceed.
 
-Adaptive fair share (Chen et al.): when the sum of demands (held + requested) on a GPU
-exceeds its memory, each container's effective limit is its water-filled share weighted
-by priority, and pending growth is admitted in priority order; containers that do not fit
-are paused instead of running into OOM, and resumed in priority order when memory frees.
+The fair-share primitives (water-filling, priority weights) are here too; arbitration.py
+uses them for adaptive fair share and execution rescheduling (Chen et al.).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpuwatch.model import ContainerIdentity
@@ -93,39 +91,3 @@ def weighted_fair_share(capacity_bytes: int, demands: Sequence[tuple[str, int, f
             left -= demand
         pending = [p for p in pending if p not in satisfied]
     return shares
-
-
-@dataclass(frozen=True)
-class FairSharePlan:
-    gpu_index: int
-    capacity_bytes: int
-    oversubscribed: bool
-    effective_limits: tuple[tuple[str, int], ...]
-    pause: tuple[str, ...]
-    resume: tuple[str, ...]
-
-
-def plan_fair_share(
-    gpu_index: int, capacity_bytes: int, contenders: Sequence[Contender], paused: Collection[str]
-) -> FairSharePlan:
-    """Effective limits and who to pause/resume on one GPU (highest priority admitted first)."""
-    mine = [c for c in contenders if c.gpu_index == gpu_index]
-    demands = [(c.key, c.held_bytes + c.requested_bytes, priority_weight(c.priority)) for c in mine]
-    limits = weighted_fair_share(capacity_bytes, demands)
-    oversubscribed = sum(d for _, d, _ in demands) > capacity_bytes
-    if not oversubscribed:
-        resume = tuple(c.key for c in sorted(mine, key=lambda c: -c.priority) if c.key in paused)
-        return FairSharePlan(gpu_index, capacity_bytes, False, tuple(sorted(limits.items())), (), resume)
-    left = capacity_bytes - sum(c.held_bytes for c in mine)
-    pause: list[str] = []
-    resume_list: list[str] = []
-    for c in sorted(mine, key=lambda c: (-c.priority, c.requested_bytes, c.key)):
-        if c.requested_bytes <= left:
-            left -= c.requested_bytes
-            if c.key in paused:
-                resume_list.append(c.key)
-        elif c.key not in paused:
-            pause.append(c.key)
-    return FairSharePlan(
-        gpu_index, capacity_bytes, True, tuple(sorted(limits.items())), tuple(pause), tuple(resume_list)
-    )

@@ -3,6 +3,10 @@
 so every anti-flap rule (hysteresis, hold/release times, rate limit, staleness) is unit
 tested with made-up snapshots.
 
+This module runs the rules' ladders and the namespace quotas, then hands GPU memory to
+arbitration.py (deadlocks, stopped allocations, fair share and rescheduling) and GPU time to
+elastic.py (progress-aware shares); the decision types are in decisions.py.
+
 Safety lives here too: the host root cgroup and the agent's own cgroup (and its
 ancestors) are never acted on; protected namespaces only by rules naming them literally
 (see match.py). Unsafe or rate-limited decisions are still returned, with `suppressed`
@@ -12,66 +16,38 @@ set, so they are audited.
 from __future__ import annotations
 
 import fnmatch
-import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
 from gpuwatch.model import ContainerIdentity, Snapshot
-from gpuwatch.policy.deadlock import Contender, find_deadlock, plan_fair_share
-from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
+from gpuwatch.policy.arbitration import (
+    ANY_GPU,
+    ArbitrationState,
+    MemoryStatus,
+    arbitrate_memory,
+    pending_requests,
+)
+from gpuwatch.policy.decisions import Decision, SafetyContext, Verb
+from gpuwatch.policy.elastic import ElasticState, ElasticStatus, elastic_round
+from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.ladder import LadderMove, LadderResult, LadderState, advance, undo_escalation
 from gpuwatch.policy.match import is_host_root, namespace_is_targetable, select_rule
 from gpuwatch.policy.model import ActionKind, ActionStep, NamespaceQuota, Policy, Rule
 from gpuwatch.policy.usage import ContainerView, Measured, group_containers, measure, rate_from_history
 
+__all__ = [
+    "ANY_GPU",
+    "Decision",
+    "EvaluationResult",
+    "EvaluatorState",
+    "SafetyContext",
+    "Verb",
+    "evaluate",
+]
+
 STALE_INTERVALS = 2.0
-ANY_GPU = -1
-"""Event gpu_index when the probe could not tell the device (CUDA-API events)."""
 VANISHED_INTERVALS = 3.0
 RATE_WINDOW_S = 60.0
-
-
-class Verb(StrEnum):
-    ALERT = "alert"
-    THROTTLE = "throttle"
-    PAUSE = "pause"
-    CHECKPOINT_KILL = "checkpoint-then-kill"
-    KILL = "kill"
-    RELEASE = "release"
-    """Undo throttle/pause (thaw) and, with continue_stopped, SIGCONT stopped processes."""
-    DENY_DEVICE = "deny-device"
-    """Device gate: the target may no longer open some GPUs (another container holds them
-    exclusively; enforce/enforcer.py audits these, the evaluator never emits them)."""
-    ALLOW_DEVICE = "allow-device"
-    """Device gate: a GPU denied for exclusivity may be opened again."""
-
-    @property
-    def disruptive(self) -> bool:
-        return self not in (Verb.ALERT, Verb.RELEASE, Verb.ALLOW_DEVICE)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One thing the enforcer should do (or record, when `suppressed` is set)."""
-
-    verb: Verb
-    target: ContainerIdentity
-    rule: str
-    scope: str
-    """"container", "namespace", "deadlock" or "fair_share"."""
-    reason: str
-    measured: tuple[tuple[str, float], ...] = ()
-    step_index: int = -1
-    share: float | None = None
-    signal: int = int(signal.SIGUSR1)
-    grace_s: float = 0.0
-    continue_stopped: bool = False
-    suppressed: str = ""
-
-    @property
-    def key(self) -> str:
-        return self.target.key
 
 
 @dataclass(frozen=True)
@@ -86,10 +62,10 @@ class EvaluatorState:
     quota_victims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     disruptive_times_s: tuple[float, ...] = ()
     last_snapshot_s: float | None = None
-    deadlocks: Mapping[int, str] = field(default_factory=dict)
-    """GPU index -> victim key of the deadlock currently being broken."""
-    continued_events_s: Mapping[str, float] = field(default_factory=dict)
-    fair_paused: frozenset[str] = frozenset()
+    first_seen_s: Mapping[str, float] = field(default_factory=dict)
+    """Arrival order for rescheduling: when each container was first seen."""
+    memory: ArbitrationState = field(default_factory=ArbitrationState)
+    elastic: ElasticState = field(default_factory=ElasticState)
 
 
 @dataclass(frozen=True)
@@ -102,25 +78,13 @@ class EvaluationResult:
     deadlocks_resolved: int = 0
     measurements: Mapping[str, Measured] = field(default_factory=dict)
     effective_limits_bytes: Mapping[str, int] = field(default_factory=dict)
-    """Fair-share memory limit per container key (only while a GPU is oversubscribed)."""
+    """Under fair share: the memory each container may hold (its allowance, summed over its
+    GPUs), which the enforcer pushes into the kernel limit map."""
     rules_by_target: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SafetyContext:
-    """What must never be touched besides the host root: the agent's own cgroup paths."""
-
-    own_cgroup_paths: frozenset[str] = frozenset()
-
-    def unsafe_reason(self, identity: ContainerIdentity) -> str:
-        if is_host_root(identity):
-            return "safety: the host root cgroup is never acted on"
-        path = identity.cgroup_path.rstrip("/")
-        for own in self.own_cgroup_paths:
-            own = own.rstrip("/")
-            if own and (own == path or own.startswith(path + "/")):
-                return f"safety: {identity.cgroup_path} contains the agent itself"
-        return ""
+    fair_shares_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Fair share of memory per container key while a GPU it is on is oversubscribed."""
+    memory_status: Mapping[str, tuple[MemoryStatus, ...]] = field(default_factory=dict)
+    elastic_status: Mapping[str, ElasticStatus] = field(default_factory=dict)
 
 
 def _verb(kind: ActionKind) -> Verb:
@@ -359,190 +323,6 @@ def _apply_quota(
     run.ladders[ladder_key] = state
 
 
-def _events_by_key(
-    views: Iterable[ContainerView], events: Iterable[ProbeEvent], since_s: float
-) -> dict[str, list[ProbeEvent]]:
-    by_path: dict[str, str] = {}
-    by_id: dict[int, str] = {}
-    for view in views:
-        by_path[view.identity.cgroup_path] = view.identity.key
-        if view.identity.cgroup_id is not None:
-            by_id[view.identity.cgroup_id] = view.identity.key
-    out: dict[str, list[ProbeEvent]] = {}
-    for event in events:
-        if event.timestamp_s < since_s:
-            continue
-        key = by_id.get(event.cgroup_id) if event.cgroup_id is not None else None
-        key = key or by_path.get(event.cgroup_path)
-        if key is not None:
-            out.setdefault(key, []).append(event)
-    return out
-
-
-def _contenders(
-    views: Sequence[ContainerView], priorities: Mapping[str, int], events: Mapping[str, list[ProbeEvent]]
-) -> list[Contender]:
-    out = []
-    for view in views:
-        key = view.identity.key
-        mine = events.get(key, [])
-        for row in view.rows:
-            on_gpu = [e for e in mine if e.gpu_index in (row.gpu_index, ANY_GPU)]
-            blocked = any(e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in on_gpu)
-            requested = max((e.requested_bytes for e in on_gpu), default=0)
-            out.append(
-                Contender(
-                    key,
-                    view.identity,
-                    row.gpu_index,
-                    row.memory_bytes,
-                    requested,
-                    priorities.get(key, 0),
-                    blocked,
-                )
-            )
-    return out
-
-
-def _free_bytes(snapshot: Snapshot, gpu_index: int, contenders: Sequence[Contender]) -> int | None:
-    for device in snapshot.devices:
-        if device.index != gpu_index:
-            continue
-        if device.memory_free_bytes is not None:
-            return device.memory_free_bytes
-        if device.memory_total_bytes is not None:
-            return device.memory_total_bytes - sum(c.held_bytes for c in contenders if c.gpu_index == gpu_index)
-    return None
-
-
-def _capacity(snapshot: Snapshot, gpu_index: int) -> int | None:
-    return next((d.memory_total_bytes for d in snapshot.devices if d.index == gpu_index), None)
-
-
-def _memory_arbitration(
-    run: _Run,
-    snapshot: Snapshot,
-    views: Sequence[ContainerView],
-    priorities: Mapping[str, int],
-    events: Sequence[ProbeEvent],
-    limits_by_key: Mapping[str, int],
-) -> tuple[int, int, dict[str, int], dict[int, str], frozenset[str], dict[str, float]]:
-    """Deadlock breaking, stopped-at-allocation continuation and fair share."""
-    settings = run.policy.deadlock
-    recent = _events_by_key(views, events, run.t - settings.blocked_window_s)
-    contenders = _contenders(views, priorities, recent)
-    by_key = {v.identity.key: v for v in views}
-    gpus = sorted({c.gpu_index for c in contenders})
-    detected = resolved = 0
-    deadlocks = dict(run.prev.deadlocks)
-    continued = {k: v for k, v in run.prev.continued_events_s.items() if k in by_key}
-    effective: dict[str, int] = {}
-    fair_paused = set(run.prev.fair_paused) & set(by_key)
-    for gpu in gpus:
-        free = _free_bytes(snapshot, gpu, contenders)
-        if free is None:
-            continue
-        found = find_deadlock(gpu, free, contenders) if settings.enabled else None
-        if found is not None and gpu not in deadlocks:
-            detected += 1
-            deadlocks[gpu] = found.victim.key
-            verb = _verb(settings.action)
-            run.emit(
-                Decision(
-                    verb,
-                    found.victim.identity,
-                    "deadlock",
-                    "deadlock",
-                    found.reason(),
-                    (("free_bytes", float(free)),),
-                    signal=settings.signal,
-                    grace_s=settings.grace_s,
-                )
-            )
-        elif found is None and gpu in deadlocks:
-            resolved += 1
-            victim = deadlocks.pop(gpu)
-            if settings.action is ActionKind.PAUSE and victim in by_key:
-                run.emit(
-                    Decision(
-                        Verb.RELEASE,
-                        by_key[victim].identity,
-                        "deadlock",
-                        "deadlock",
-                        f"GPU {gpu} deadlock resolved; resuming the paused victim",
-                    )
-                )
-        # Fair share first: who waits (paused) and who may grow, highest priority first.
-        capacity = _capacity(snapshot, gpu)
-        pause_keys: tuple[str, ...] = ()
-        resume_keys: tuple[str, ...] = ()
-        if run.policy.fair_share.enabled and capacity:
-            plan = plan_fair_share(gpu, capacity, contenders, fair_paused)
-            if plan.oversubscribed:
-                effective.update(dict(plan.effective_limits))
-            pause_keys, resume_keys = plan.pause, plan.resume
-        # A process stopped at allocation continues once its request fits (priority order).
-        for c in sorted(contenders, key=lambda c: (-c.priority, c.requested_bytes, c.key)):
-            if c.gpu_index != gpu:
-                continue
-            stops = [
-                e
-                for e in recent.get(c.key, [])
-                if e.kind is ProbeEventKind.STOPPED_AT_ALLOCATION and e.gpu_index in (gpu, ANY_GPU)
-            ]
-            if not stops:
-                continue
-            last = max(e.timestamp_s for e in stops)
-            if continued.get(c.key, -1.0) >= last or deadlocks.get(gpu) == c.key:
-                continue
-            if c.key in resume_keys:
-                continued[c.key] = last  # the fair-share resume below continues it
-                free -= c.requested_bytes
-                continue
-            if c.key in fair_paused or c.key in pause_keys or c.requested_bytes > free:
-                continue
-            own_limit = limits_by_key.get(c.key)
-            if own_limit is not None and by_key[c.key].memory_bytes + c.requested_bytes > own_limit:
-                continue  # over its own limit: the rule's ladder decides (pause/checkpoint/kill)
-            continued[c.key] = last
-            free -= c.requested_bytes
-            run.emit(
-                Decision(
-                    Verb.RELEASE,
-                    c.identity,
-                    "stopped-at-allocation",
-                    "deadlock",
-                    f"GPU {gpu} now has room for the stopped allocation of {c.requested_bytes} B",
-                    continue_stopped=True,
-                )
-            )
-        for key in pause_keys:
-            decision = run.emit(
-                Decision(
-                    Verb.PAUSE,
-                    by_key[key].identity,
-                    "fair-share",
-                    "fair_share",
-                    f"GPU {gpu} memory oversubscribed; lower priority waits",
-                )
-            )
-            if not decision.suppressed:
-                fair_paused.add(key)
-        for key in resume_keys:
-            run.emit(
-                Decision(
-                    Verb.RELEASE,
-                    by_key[key].identity,
-                    "fair-share",
-                    "fair_share",
-                    f"GPU {gpu} has room again; resuming in priority order",
-                    continue_stopped=True,
-                )
-            )
-            fair_paused.discard(key)
-    return detected, resolved, effective, deadlocks, frozenset(fair_paused), continued
-
-
 def evaluate(
     policy: Policy,
     snapshot: Snapshot,
@@ -579,21 +359,15 @@ def evaluate(
     shares: dict[str, float] = {}
     quota_members: dict[tuple[int, str], list[tuple[ContainerView, int, Measured]]] = {}
     # Allocations the kernel stopped (and we have not continued) count as memory demand.
-    pending: dict[str, int] = {}
-    for key, found in _events_by_key(views, probe_events, t - policy.deadlock.blocked_window_s).items():
-        stops = [
-            e
-            for e in found
-            if e.kind is ProbeEventKind.STOPPED_AT_ALLOCATION
-            and e.timestamp_s > state.continued_events_s.get(key, -1.0)
-        ]
-        if stops:
-            pending[key] = max(e.requested_bytes for e in stops)
+    pending = pending_requests(views, probe_events, t - policy.deadlock.blocked_window_s,
+                               state.memory.admitted_events_s)
+    first_seen = {k: v for k, v in state.first_seen_s.items()}
     limits_by_key: dict[str, int] = {}
     for view in views:
         key = view.identity.key
         identities[key] = view.identity
         last_seen[key] = t
+        first_seen.setdefault(key, t)
         match = select_rule(policy, view.identity)
         rule = match.rule
         window = rule.limits.window_s if rule is not None else 30.0
@@ -618,9 +392,12 @@ def evaluate(
                 quota_members.setdefault((index, ns), []).append((view, priorities[key], m))
     for (index, ns), members in quota_members.items():
         _apply_quota(run, policy.namespace_quotas[index], ns, members, shares)
-    detected, resolved, effective, deadlocks, fair_paused, continued = _memory_arbitration(
-        run, snapshot, views, priorities, probe_events, limits_by_key
-    )
+    memory = arbitrate_memory(policy, snapshot, views, priorities, probe_events, limits_by_key, first_seen,
+                              state.memory, t, run.emit, managed=set(rules_by_target))
+    held_elsewhere = set(memory.state.waiting) | set(memory.state.checkpointed) | set(run.reversible)
+    progress = {p.identity.key: p for p in snapshot.progress}
+    elastic, elastic_status = elastic_round(policy.elastic, views, progress, set(rules_by_target), held_elsewhere,
+                                            state.elastic, t, run.emit)
     present = {v.identity.key for v in views}
     # Throttles/pauses whose rule or quota no longer applies (policy reloaded, exemption,
     # rule renamed): release them instead of leaving them in force forever.
@@ -659,6 +436,7 @@ def evaluate(
         history.pop(key, None)
         identities.pop(key, None)
         last_seen.pop(key, None)
+        first_seen.pop(key, None)
     new_state = EvaluatorState(
         ladders=run.ladders,
         ladder_rules=run.ladder_rules,
@@ -669,19 +447,22 @@ def evaluate(
         quota_victims=run.quota_victims,
         disruptive_times_s=tuple(run.rate_times),
         last_snapshot_s=t,
-        deadlocks=deadlocks,
-        continued_events_s=continued,
-        fair_paused=fair_paused,
+        first_seen_s=first_seen,
+        memory=memory.state,
+        elastic=elastic,
     )
     return EvaluationResult(
         tuple(run.decisions),
         new_state,
         notes=tuple(run.notes),
-        deadlocks_detected=detected,
-        deadlocks_resolved=resolved,
+        deadlocks_detected=memory.detected,
+        deadlocks_resolved=memory.resolved,
         measurements=measurements,
-        effective_limits_bytes=effective,
+        effective_limits_bytes=memory.effective_limits_bytes,
         rules_by_target=rules_by_target,
+        fair_shares_bytes=memory.fair_shares_bytes,
+        memory_status=memory.status,
+        elastic_status=elastic_status,
     )
 
 

@@ -14,6 +14,7 @@ import difflib
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,11 +28,14 @@ from gpuwatch.policy.model import (
     ActionKind,
     ActionStep,
     DeadlockSettings,
+    ElasticSettings,
     FairShareSettings,
+    FairShareSplit,
     LimitKind,
     Limits,
     NamespaceQuota,
     Policy,
+    ReschedulingSettings,
     Rule,
     Selector,
     Tuning,
@@ -55,6 +59,8 @@ TOP_KEYS = (
     "tuning",
     "deadlock",
     "fair_share",
+    "rescheduling",
+    "elastic",
     "rules",
     "namespace_quotas",
 )
@@ -66,7 +72,9 @@ QUOTA_LIMIT_KEYS = ("gpu_memory", "gpu_time_share", "window", "max_processes")
 STEP_KEYS = ("do", "at", "for", "on", "signal", "grace", "share", "repeat")
 TUNING_KEYS = ("hysteresis", "release_after", "min_hold", "max_actions_per_minute")
 DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
-FAIR_SHARE_KEYS = ("enabled",)
+FAIR_SHARE_KEYS = ("enabled", "split")
+RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new")
+ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
     "grace": ActionKind.CHECKPOINT_KILL,
@@ -643,6 +651,83 @@ def _parse_deadlock(reader: _Reader, node: Node) -> DeadlockSettings | None:
     return DeadlockSettings(**values) if ok else None  # type: ignore[arg-type]
 
 
+def _parse_fair_share(reader: _Reader, node: Node) -> FairShareSettings | None:
+    keys = reader.mapping(node, "fair_share", FAIR_SHARE_KEYS)
+    if keys is None:
+        return None
+    values: dict[str, object] = {}
+    if "enabled" in keys:
+        values["enabled"] = reader.boolean(keys["enabled"][1], "fair_share.enabled")
+    if "split" in keys:
+        raw = reader.scalar(keys["split"][1]) if isinstance(keys["split"][1], ScalarNode) else None
+        try:
+            values["split"] = FairShareSplit(str(raw))
+        except ValueError:
+            reader.issue(
+                keys["split"][1],
+                f"fair_share.split: unknown split {raw!r}",
+                "use demand (adaptive: weighted by what each container asks for) or equal (static: "
+                "capacity / containers)",
+            )
+            values["split"] = None
+    ok = all(v is not None for v in values.values())
+    return FairShareSettings(**values) if ok else None  # type: ignore[arg-type]
+
+
+def _parse_rescheduling(reader: _Reader, node: Node) -> ReschedulingSettings | None:
+    keys = reader.mapping(node, "rescheduling", RESCHEDULING_KEYS)
+    if keys is None:
+        return None
+    values: dict[str, object] = {}
+    ok = True
+    if "checkpoint_after" in keys:
+        value_node = keys["checkpoint_after"][1]
+        if isinstance(value_node, ScalarNode) and reader.scalar(value_node) == "never":
+            values["checkpoint_after_s"] = None
+        else:
+            after = reader.parsed(value_node, "rescheduling.checkpoint_after", parse_duration_s,
+                                  DURATION_FORM + ' or "never"')
+            if after is not None and after <= 0:
+                reader.issue(value_node, "rescheduling.checkpoint_after must be longer than 0s",
+                             'write a duration such as "10m", or "never"')
+                after = None
+            ok &= after is not None
+            values["checkpoint_after_s"] = after
+    if "grace" in keys:
+        values["grace_s"] = reader.parsed(keys["grace"][1], "rescheduling.grace", parse_duration_s, DURATION_FORM)
+    if "signal" in keys:
+        values["signal"] = reader.parsed(keys["signal"][1], "rescheduling.signal", _parse_signal, "a signal name")
+    if "gate_new" in keys:
+        values["gate_new"] = reader.boolean(keys["gate_new"][1], "rescheduling.gate_new")
+    ok &= all(v is not None for k, v in values.items() if k != "checkpoint_after_s")
+    return ReschedulingSettings(**values) if ok else None  # type: ignore[arg-type]
+
+
+def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
+    keys = reader.mapping(node, "elastic", ELASTIC_KEYS)
+    if keys is None:
+        return None
+    values: dict[str, object] = {}
+    if "enabled" in keys:
+        values["enabled"] = reader.boolean(keys["enabled"][1], "elastic.enabled")
+    durations = (("window", "window_s", 1.0), ("min_dwell", "min_dwell_s", 0.0), ("min_gpu_time", "min_gpu_s", 0.0))
+    for key, field_name, minimum in durations:
+        if key in keys:
+            value = reader.parsed(keys[key][1], f"elastic.{key}", parse_duration_s, DURATION_FORM)
+            if value is not None and value < minimum:
+                reader.issue(keys[key][1], f"elastic.{key} must be at least {minimum:g}s, got {value:g}s",
+                             "use a few sample intervals, e.g. \"10s\"")
+                value = None
+            values[field_name] = value
+    ratios = (("floor", "floor", 0.5), ("hysteresis", "hysteresis", 0.5), ("plateau", "plateau", 1.0))
+    for key, field_name, maximum in ratios:
+        if key in keys:
+            values[field_name] = reader.parsed(keys[key][1], f"elastic.{key}", partial(parse_ratio, maximum=maximum),
+                                               RATIO_FORM + f" up to {maximum:.0%}")
+    ok = all(v is not None for v in values.values())
+    return ElasticSettings(**values) if ok else None  # type: ignore[arg-type]
+
+
 def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None, list[PolicyIssue]]:
     """Validate policy YAML text; return (policy or None, every issue found)."""
     reader = _Reader(file)
@@ -683,10 +768,13 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
         deadlock = _parse_deadlock(reader, keys["deadlock"][1]) or deadlock
     fair_share = FairShareSettings()
     if "fair_share" in keys:
-        fs_keys = reader.mapping(keys["fair_share"][1], "fair_share", FAIR_SHARE_KEYS)
-        if fs_keys and "enabled" in fs_keys:
-            enabled = reader.boolean(fs_keys["enabled"][1], "fair_share.enabled")
-            fair_share = FairShareSettings(enabled=bool(enabled))
+        fair_share = _parse_fair_share(reader, keys["fair_share"][1]) or fair_share
+    rescheduling = ReschedulingSettings()
+    if "rescheduling" in keys:
+        rescheduling = _parse_rescheduling(reader, keys["rescheduling"][1]) or rescheduling
+    elastic = ElasticSettings()
+    if "elastic" in keys:
+        elastic = _parse_elastic(reader, keys["elastic"][1]) or elastic
     rules: list[Rule] = []
     if "rules" not in keys:
         reader.issue(root, "the policy has no `rules:`", "add `rules:` with at least one rule")
@@ -725,6 +813,8 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
         tuning=tuning,
         deadlock=deadlock,
         fair_share=fair_share,
+        rescheduling=rescheduling,
+        elastic=elastic,
         source=file,
     ), []
 

@@ -157,10 +157,54 @@ class DeadlockSettings:
     """A container is blocked if an OOM/stopped-at-allocation event was seen this recently."""
 
 
+class FairShareSplit(StrEnum):
+    """How a GPU's memory is divided among its containers while it is oversubscribed."""
+
+    DEMAND = "demand"
+    """Adaptive fair share (Chen et al.): water-filled, weighted by demand x priority weight."""
+    EQUAL = "equal"
+    """Static fair share: capacity / containers on the GPU, whatever they ask for."""
+
+
 @dataclass(frozen=True)
 class FairShareSettings:
     enabled: bool = False
-    """When a GPU's memory is oversubscribed, pause lowest-priority containers instead of OOM."""
+    """When a GPU's memory is oversubscribed, containers wait (paused) instead of running into OOM."""
+    split: FairShareSplit = FairShareSplit.DEMAND
+
+
+@dataclass(frozen=True)
+class ReschedulingSettings:
+    """Execution rescheduling under fair share: who waits for memory, for how long, and how
+    containers that have not allocated yet are kept from allocating past the queue."""
+
+    checkpoint_after_s: float | None = None
+    """A container waiting for memory this long gets the checkpoint signal (None: never)."""
+    signal: int = int(signal.SIGUSR1)
+    grace_s: float = 30.0
+    gate_new: bool = True
+    """With the kernel probes: containers not yet on a GPU get a 0-byte limit with the stop
+    action, so their first allocation waits for admission instead of racing the queue."""
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """Progress-aware elastic GPU time (FlowCon): co-located jobs' time shares follow their
+    growth efficiency (progress per GPU-second, normalised by the job's own early rate)."""
+
+    enabled: bool = False
+    window_s: float = 10.0
+    """Growth efficiency is measured over this much wall time of progress reads."""
+    floor: float = 0.1
+    """No job with a progress input gets less than this share of its GPU."""
+    hysteresis: float = 0.05
+    """A target share moves only when the new one differs by more than this."""
+    min_dwell_s: float = 15.0
+    """A GPU's division stays at least this long before it changes again."""
+    plateau: float = 0.05
+    """Normalised efficiency below this = plateaued: the job yields down to the floor."""
+    min_gpu_s: float = 0.5
+    """A window's rate counts only when the job ran this many GPU-seconds in it."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +215,8 @@ class Policy:
     tuning: Tuning = field(default_factory=Tuning)
     deadlock: DeadlockSettings = field(default_factory=DeadlockSettings)
     fair_share: FairShareSettings = field(default_factory=FairShareSettings)
+    rescheduling: ReschedulingSettings = field(default_factory=ReschedulingSettings)
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
     source: str = "<memory>"
 
 

@@ -11,7 +11,7 @@ from gpuwatch.enforce.actions.kill import KillAction
 from gpuwatch.enforce.actions.pause import PauseAction, ReleaseAction
 from gpuwatch.enforce.actions.throttle import ThrottleAction
 from gpuwatch.enforce.control import FreezeControl
-from gpuwatch.policy.evaluate import Verb
+from gpuwatch.policy.decisions import Verb
 
 __all__ = ["Action", "ActionResult", "ActionSet", "Completion", "Status", "build_actions"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from gpuwatch.enforce.actions.base import ActionResult, Status
-from gpuwatch.policy.evaluate import Decision, Verb
+from gpuwatch.policy.decisions import Decision, Verb
 
 log = logging.getLogger("gpuwatch.enforce.alert")
 

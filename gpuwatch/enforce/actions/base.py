@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from gpuwatch.policy.evaluate import Decision, Verb
+from gpuwatch.policy.decisions import Decision, Verb
 
 
 class Status(StrEnum):

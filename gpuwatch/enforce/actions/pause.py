@@ -7,7 +7,7 @@ import signal
 from gpuwatch.enforce.actions.base import ActionResult, Status
 from gpuwatch.enforce.control import FreezeControl
 from gpuwatch.errors import EnforcementError
-from gpuwatch.policy.evaluate import Decision, Verb
+from gpuwatch.policy.decisions import Decision, Verb
 
 
 class PauseAction:

@@ -1,0 +1,182 @@
+"""The progress-aware elastic controller (policy/elastic.py) on made-up snapshots: growth
+efficiency normalised by each job's early rate, shares in proportion with a floor,
+plateaued jobs yield, jobs without progress keep their fair share, hysteresis and dwell,
+bad reads change nothing, releases when jobs leave or the section is switched off."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from gpuwatch.model import ContainerIdentity, ContainerProgress, Snapshot
+from gpuwatch.policy.decisions import Verb
+from gpuwatch.policy.elastic import divide
+from gpuwatch.policy.model import ElasticSettings
+from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
+
+POLICY = """
+elastic: {enabled: true, window: 4s, floor: 10%, hysteresis: 5%, min_dwell: 6s, plateau: 5%, min_gpu_time: 0.2s}
+rules:
+  - name: all
+    match: {namespace: ml}
+"""
+
+
+def curve_exp(k: float, start: float = 1.0):  # type: ignore[no-untyped-def]
+    return lambda w: start * math.exp(-k * w)
+
+
+def curve_linear(k: float, start: float = 1.0):  # type: ignore[no-untyped-def]
+    return lambda w: start - k * w
+
+
+class Node:
+    """Jobs on one GPU sharing it equally (each gets 1/n of a GPU-second per second)."""
+
+    def __init__(self, text: str = POLICY) -> None:
+        self.driver = Driver(policy(text))
+        self.jobs: dict[str, tuple[ContainerIdentity, object]] = {}
+        self.kernel: dict[str, float] = {}
+        self.t = 0.0
+        self.garbage: set[str] = set()
+
+    def add(self, name: str, curve: object | None) -> ContainerIdentity:
+        who = ident(name)
+        self.jobs[name] = (who, curve)
+        self.kernel[name] = 0.0
+        return who
+
+    def step(self, dt: float = 1.0, shares: dict[str, float] | None = None):  # type: ignore[no-untyped-def]
+        self.t += dt
+        for name in self.jobs:
+            self.kernel[name] += dt * (shares or {}).get(name, 1.0 / len(self.jobs))
+        rows, progress = [], []
+        for name, (who, curve) in self.jobs.items():
+            rows.append(usage(who, kernel_s=self.kernel[name]))
+            if curve is not None:
+                value = curve(self.kernel[name])  # type: ignore[operator]
+                error = "garbage" if name in self.garbage else ""
+                previous = self.last.get(name) if hasattr(self, "last") else None
+                if error and previous is not None:
+                    progress.append(dataclasses.replace(previous, last_error=error,
+                                                        errors_total=previous.errors_total + 1))
+                    continue
+                p = ContainerProgress(who, "/tmp/loss", "minimize", value, self.t,
+                                      kernel_seconds_total=self.kernel[name])
+                progress.append(p)
+                self.last = {**getattr(self, "last", {}), name: p}
+        s = dataclasses.replace(snap(self.t, *rows), progress=tuple(progress))
+        return self.driver.step(s)
+
+
+def throttles(result) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
+    return {d.target.container_name: (d.share if d.verb is Verb.THROTTLE else None)
+            for d in result.decisions if d.scope == "elastic"}
+
+
+def run(node: Node, seconds: int) -> list[object]:
+    return [node.step() for _ in range(seconds)]
+
+
+def test_divide_floor_proportional_and_plateau() -> None:
+    s = ElasticSettings(enabled=True, floor=0.1, plateau=0.05)
+    shares = divide({}, {"a": 1.0, "b": 0.5, "c": 0.01}, s)
+    assert shares["c"] == 0.1  # plateaued: the floor
+    assert math.isclose(shares["a"] - 0.1, 2 * (shares["b"] - 0.1)) and math.isclose(sum(shares.values()), 1.0)
+    with_fixed = divide({"x": 0.25}, {"a": 1.0, "b": 1.0}, s)
+    assert with_fixed == {"x": 0.25, "a": 0.375, "b": 0.375}
+    assert divide({}, {"a": 0.0, "b": 0.0}, s) == {"a": 0.5, "b": 0.5}
+
+
+def test_plateaued_job_yields_to_the_one_still_learning() -> None:
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))  # plateaus within its first GPU-second or two
+    results = run(node, 12)
+    decided = [throttles(r) for r in results if throttles(r)]
+    assert decided, "the controller never acted"
+    first = decided[0]
+    assert list(first) == ["flat"] and first["flat"] < 0.5, first  # the steep one is never throttled
+    assert results[-1].state.elastic.jobs[ident("flat").key].throttle == 0.1  # then down to the floor
+    status = results[-1].elastic_status
+    assert status[ident("flat").key].role == "plateaued" and status[ident("steep").key].role == "gaining"
+    assert math.isclose(status[ident("steep").key].share, 0.9)
+
+
+def test_efficiency_is_normalised_by_each_jobs_early_rate() -> None:
+    # the same shape on two loss scales (1 and 1000): same efficiency, so no one yields
+    node = Node()
+    node.add("small", curve_exp(0.05))
+    node.add("large", curve_exp(0.05, start=1000.0))
+    results = run(node, 20)
+    assert not any(throttles(r) for r in results)
+    status = results[-1].elastic_status
+    small, large = status[ident("small").key].efficiency, status[ident("large").key].efficiency
+    assert small is not None and large is not None and abs(small - large) < 0.02 and small < 1.0
+
+
+def test_job_without_progress_keeps_its_fair_share() -> None:
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    node.add("silent", None)
+    results = run(node, 20)
+    first = next(throttles(r) for r in results if throttles(r))
+    assert math.isclose(first["silent"], round(1 / 3, 4)) and first["flat"] < 1 / 3
+    assert "steep" not in first  # the one with the largest share takes what is left
+    jobs = results[-1].state.elastic.jobs
+    assert jobs[ident("flat").key].throttle == 0.1 and jobs[ident("steep").key].throttle is None
+    assert jobs[ident("silent").key].throttle == round(1 / 3, 4)
+    assert results[-1].elastic_status[ident("silent").key].role == "fair"
+
+
+def test_garbage_in_a_progress_file_changes_nothing() -> None:
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    results = run(node, 12)
+    before = {k: (v.share, v.throttle) for k, v in results[-1].elastic_status.items()}
+    node.garbage = {"steep", "flat"}
+    later = run(node, 20)
+    assert not any(throttles(r) for r in later)
+    after = {k: (v.share, v.throttle) for k, v in later[-1].elastic_status.items()}
+    assert after == before
+
+
+def test_hysteresis_and_dwell_limit_changes() -> None:
+    node = Node()
+    node.add("a", curve_exp(0.3))
+    node.add("b", curve_exp(0.1))
+    results = run(node, 60)
+    times = [r.state.last_snapshot_s for r in results if throttles(r)]
+    assert times, "no change at all"
+    assert all(b - a >= 6.0 for a, b in itertools.pairwise(times))  # min_dwell 6s
+
+
+def test_release_when_the_yielder_leaves_or_elastic_is_switched_off() -> None:
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    run(node, 12)
+    del node.jobs["steep"]
+    # alone now: nobody to yield to, the throttle goes
+    assert throttles(node.step()) == {"flat": None}
+    node.add("steep2", curve_linear(0.01))
+    run(node, 12)
+    node.driver.policy = policy("rules:\n  - name: all\n    match: {namespace: ml}\n")
+    released = throttles(node.step())
+    assert released and all(v is None for v in released.values())
+
+
+def test_paused_or_waiting_containers_are_left_to_their_holder() -> None:
+    node = Node(POLICY.replace("rules:", "fair_share: {enabled: true}\nrules:"))
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    results = run(node, 12)
+    assert any(throttles(r) for r in results)
+    assert isinstance(results[-1].state.elastic.jobs[ident("flat").key].throttle, float)
+
+
+def test_snapshot_field_is_optional() -> None:
+    assert Snapshot(timestamp_s=0.0, node="", devices=(), containers=()).progress == ()

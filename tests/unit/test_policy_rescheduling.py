@@ -1,0 +1,168 @@
+"""Execution rescheduling under adaptive / static fair share (policy/arbitration.py), on
+made-up snapshots: admission in priority then arrival order, the first in line may go
+beyond its share (demand split) but not under the static split, allowances never promise
+more than the GPU, waiting requests survive their event, the checkpoint deadline."""
+
+from __future__ import annotations
+
+from gpuwatch.policy.arbitration import ArbitrationState, arbitrate_memory
+from gpuwatch.policy.decisions import Decision, Verb
+from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
+from gpuwatch.policy.usage import group_containers
+from tests.unit.test_policy_evaluate import GIB, Driver, ident, policy, snap, usage
+
+RULES = """
+rules:
+  - name: low
+    priority: 1
+    match: {labels: {tier: low}}
+  - name: high
+    priority: 9
+    match: {labels: {tier: high}}
+  - name: rest
+    match: {namespace: ml}
+"""
+
+
+def fair(split: str = "demand", extra: str = "") -> Driver:
+    head = f"fair_share: {{enabled: true, split: {split}}}\ndeadlock: {{enabled: false}}\n"
+    return Driver(policy(head + extra + RULES))
+
+
+def stop(who, t: float, want: int, gpu: int = 0) -> ProbeEvent:  # type: ignore[no-untyped-def]
+    return ProbeEvent(ProbeEventKind.STOPPED_AT_ALLOCATION, t, 100, gpu, want, cgroup_path=who.cgroup_path)
+
+
+def moves(result) -> list[tuple[str, str, bool]]:  # type: ignore[no-untyped-def]
+    return [(d.verb.value, d.target.container_name, d.continue_stopped) for d in result.decisions]
+
+
+def test_same_priority_admitted_in_arrival_order() -> None:
+    d = fair()
+    first, second = ident("first"), ident("second")
+    d.step(snap(1.0, usage(first, GIB), total=8 * GIB, free=7 * GIB))
+    d.step(snap(2.0, usage(first, GIB), usage(second, GIB), total=8 * GIB, free=6 * GIB))
+    events = [stop(second, 2.5, 4 * GIB), stop(first, 2.6, 4 * GIB)]
+    result = d.step(snap(3.0, usage(second, GIB), usage(first, GIB), total=8 * GIB, free=6 * GIB), events)
+    # 2 held + 8 asked > 8: the earlier arrival goes first, the later one waits (paused)
+    assert moves(result) == [("release", "first", True), ("pause", "second", False)]
+    assert result.effective_limits_bytes[first.key] == 5 * GIB and result.effective_limits_bytes[second.key] == GIB
+    assert sum(result.effective_limits_bytes.values()) <= 8 * GIB
+    (status,) = result.memory_status[second.key]
+    assert status.waiting_since_s == 3.0 and status.pending_bytes == 4 * GIB
+
+
+def test_priority_goes_before_arrival() -> None:
+    pol = policy("fair_share: {enabled: true}\ndeadlock: {enabled: false}\n" + RULES)
+    lo, hi = ident("lo", priority_label="low"), ident("hi", priority_label="high")
+    views = group_containers([usage(lo, GIB), usage(hi, GIB)])
+    events = [stop(lo, 1.5, 4 * GIB), stop(hi, 1.6, 4 * GIB)]
+    emitted: list[Decision] = []
+    arbitrate_memory(pol, snap(2.0, total=8 * GIB, free=6 * GIB), views, {lo.key: 1, hi.key: 9}, events, {},
+                     {lo.key: 1.0, hi.key: 2.0}, ArbitrationState(), 2.0, lambda d: emitted.append(d) or d)
+    assert [(d.verb.value, d.target.container_name) for d in emitted] == [("release", "hi"), ("pause", "lo")]
+
+
+def test_waiting_request_outlives_its_event_and_is_resumed_when_memory_frees() -> None:
+    d = fair()
+    a, b = ident("a"), ident("b")
+    d.step(snap(1.0, usage(a, 3 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=2 * GIB))
+    events = [stop(a, 1.5, 3 * GIB), stop(b, 1.6, 3 * GIB)]
+    result = d.step(snap(2.0, usage(a, 3 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=2 * GIB), events)
+    # a is first in line but 3 GiB do not fit in 2 free: both wait; nothing is continued
+    assert moves(result) == [("pause", "a", False), ("pause", "b", False)]
+    # long after the events left the blocked window, still nothing fits: still waiting
+    assert d.step(snap(30.0, usage(a, 3 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=2 * GIB)).decisions == ()
+    # b finished (its process was continued and ended by someone else): a's 3 GiB fit now
+    result = d.step(snap(31.0, usage(a, 3 * GIB), total=8 * GIB, free=5 * GIB))
+    assert moves(result) == [("release", "a", True)]
+    assert result.effective_limits_bytes[a.key] >= 6 * GIB
+    assert d.step(snap(32.0, usage(a, 6 * GIB), total=8 * GIB, free=2 * GIB)).decisions == ()
+
+
+def test_first_in_line_may_exceed_its_share_under_demand_split_not_under_equal() -> None:
+    a, b = ident("a"), ident("b")
+
+    def run(split: str) -> list[tuple[str, str, bool]]:
+        d = fair(split)
+        d.step(snap(1.0, usage(a, GIB), total=8 * GIB, free=7 * GIB))
+        d.step(snap(2.0, usage(a, GIB), usage(b, GIB), total=8 * GIB, free=6 * GIB))
+        # a wants 5 more (6 in all) and b 3 more (4): 10 > 8, a's demand share is 4.8 GiB
+        events = [stop(a, 2.5, 5 * GIB), stop(b, 2.6, 3 * GIB)]
+        return moves(d.step(snap(3.0, usage(a, GIB), usage(b, GIB), total=8 * GIB, free=6 * GIB), events))
+
+    # adaptive: a is first in line and 5 GiB fit in the 6 free, so it goes beyond its share;
+    # b's 3 do not fit in the 1 left and it waits
+    assert run("demand") == [("release", "a", True), ("pause", "b", False)]
+    # static (4 GiB each): a may not go past 4 GiB and waits; b fits within its 4 and goes
+    assert run("equal") == [("release", "b", True), ("pause", "a", False)]
+
+
+def test_allowances_grow_only_from_memory_nobody_was_promised() -> None:
+    d = fair()
+    a, b = ident("a"), ident("b")
+    alone = d.step(snap(1.0, usage(a, 2 * GIB), total=8 * GIB, free=6 * GIB))
+    assert alone.effective_limits_bytes[a.key] == 8 * GIB  # alone: the headroom is its to grow into
+    # b arrives stopped at its first allocation: the headroom is a's until a's allowance shrank
+    arrived = d.step(snap(2.0, usage(a, 2 * GIB), usage(b, 0), total=8 * GIB, free=6 * GIB), [stop(b, 1.9, GIB)])
+    assert moves(arrived) == [("pause", "b", False)]
+    assert arrived.effective_limits_bytes[a.key] < 8 * GIB
+    # next round the shrink is in force: b is admitted, and the allowances never exceed the GPU
+    admitted = d.step(snap(3.0, usage(a, 2 * GIB), usage(b, 0), total=8 * GIB, free=6 * GIB))
+    assert moves(admitted) == [("release", "b", True)]
+    for result in (alone, arrived, admitted):
+        assert sum(result.effective_limits_bytes.values()) <= 8 * GIB
+
+
+def test_memory_held_outside_containers_is_not_handed_out() -> None:
+    d = fair()
+    a = ident("a")
+    # 8 GiB GPU, a holds 1, something outside any container holds 3: a may grow to 5, not 8
+    result = d.step(snap(1.0, usage(a, GIB), total=8 * GIB, free=4 * GIB))
+    assert result.effective_limits_bytes[a.key] == 5 * GIB
+
+
+def test_checkpoint_signal_after_waiting_too_long_then_never_resumed() -> None:
+    d = fair(extra="rescheduling: {checkpoint_after: 60s, signal: SIGTERM, grace: 5s}\n")
+    a, b = ident("a"), ident("b")
+    d.step(snap(1.0, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB))
+    paused = d.step(snap(2.0, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB), [stop(b, 1.5, 2 * GIB)])
+    assert moves(paused) == [("pause", "b", False)]
+    assert d.step(snap(61.0, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB)).decisions == ()
+    overdue = d.step(snap(62.5, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB))
+    (decision,) = overdue.decisions
+    assert (decision.verb, decision.target.container_name, decision.signal, decision.grace_s) == (
+        Verb.CHECKPOINT_KILL, "b", 15, 5.0)
+    assert decision.scope == "rescheduling" and "waited 60s" in decision.reason
+    # a ends: memory frees, but b was told to checkpoint: it is not resumed
+    assert d.step(snap(64.0, usage(b, 3 * GIB), total=8 * GIB, free=5 * GIB)).decisions == ()
+
+
+def test_containers_no_rule_matches_are_counted_but_never_queued() -> None:
+    d = fair()
+    mine, other = ident("mine"), ident("other", namespace="elsewhere")
+    events = [stop(other, 0.5, 4 * GIB), stop(mine, 0.6, 2 * GIB)]
+    result = d.step(snap(1.0, usage(mine, 2 * GIB), usage(other, 4 * GIB), total=8 * GIB, free=2 * GIB), events)
+    assert moves(result) == [("release", "mine", True)]
+    assert other.key not in result.effective_limits_bytes
+
+
+def test_no_deadlock_under_fair_share_while_a_holder_still_runs() -> None:
+    pol = policy("fair_share: {enabled: true}\ndeadlock: {enabled: true, action: kill}\n" + RULES)
+    a, b, c = ident("a"), ident("b"), ident("c")
+    events = [stop(a, 0.5, 3 * GIB), stop(b, 0.6, 3 * GIB)]
+    views = group_containers([usage(a, 2 * GIB), usage(b, 2 * GIB), usage(c, 2 * GIB)])
+    emitted: list[Decision] = []
+
+    def emit(decision: Decision) -> Decision:
+        emitted.append(decision)
+        return decision
+
+    result = arbitrate_memory(pol, snap(1.0, total=8 * GIB, free=2 * GIB), views, {}, events, {}, {},
+                              ArbitrationState(), 1.0, emit)
+    assert result.detected == 0 and [d.verb for d in emitted] == [Verb.PAUSE, Verb.PAUSE]
+    # c gone: a and b wait for each other with nothing running -> a deadlock, one is killed
+    views = group_containers([usage(a, 2 * GIB), usage(b, 2 * GIB)])
+    result = arbitrate_memory(pol, snap(2.0, total=6 * GIB, free=2 * GIB), views, {}, events, {}, {}, result.state,
+                              2.0, emit)
+    assert result.detected == 1 and emitted[-1].verb is Verb.KILL
