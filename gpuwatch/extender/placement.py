@@ -48,7 +48,7 @@ class PlacementConfig:
     max_data_age_s: float = 30.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """One node's answer for one pod."""
 
@@ -71,7 +71,7 @@ class Verdict:
                 f"pair sum {self.topology:.0f}, headroom {self.network:.3g} B/s")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Gpu:
     gpu: ClusterGpu
     free_bytes: float  # after margin and promises
@@ -232,6 +232,8 @@ def _packing(request: GpuRequest, chosen: Sequence[_Gpu], node: ClusterNode, pol
 
 
 def _pair_sum(indices: Sequence[int], node: ClusterNode) -> float:
+    if len(indices) < 2:
+        return 0.0
     scores = {(a, b): s for a, b, s in node.pair_scores}
     return sum(scores.get((a, b), 0.0) for a, b in itertools.combinations(indices, 2))
 

@@ -174,7 +174,7 @@ class Extender:
             return [known[name] for name in names]
         verdicts = self._evaluate(request, names, state)
         with self._lock:
-            if len(self._recent) >= 64:
+            if len(self._recent) >= 4:  # one pod is scheduled at a time: a few are enough
                 self._recent.pop(next(iter(self._recent)))
             self._recent[key] = (state, {v.node: v for v in verdicts})
         return verdicts
