@@ -235,7 +235,9 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
         enforcer = _start_enforcer(config, stack, registry, probes, policy_load, stop)
         if stop.is_set():
             return
-        server = serve(registry, config.listen_host, config.listen_port, get_snapshot=sampler.latest,
+        # /snapshot.json carries the enforcer's per-container view (what top shows as STATE)
+        served = sampler.latest if enforcer is None else (lambda: enforcer.decorate(sampler.latest()))
+        server = serve(registry, config.listen_host, config.listen_port, get_snapshot=served,
                        snapshot_remote=config.snapshot_remote)
         stack.callback(server.stop)
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",

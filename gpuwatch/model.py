@@ -320,6 +320,29 @@ class ContainerProgress:
 
 
 @dataclass(frozen=True)
+class ContainerEnforcement:
+    """What the enforcer does to one container now (enforce/enforcer.py builds it after each
+    snapshot; the agent serves it in /snapshot.json so `gpuwatch top` shows why a job is slow).
+
+    `state`: "running", "throttled" (to `time_share` of a GPU), "paused", "waiting-memory"
+    (paused until its pending allocation fits: rescheduling) or "checkpointing"."""
+
+    identity: ContainerIdentity
+    state: str = "running"
+    reason: str = ""
+    rule: str = ""  # the rule or mechanism behind the state: a rule name, "elastic", "fair-share"
+    memory_limit_bytes: int | None = None  # what it may hold: rule limit, or its fair-share allowance
+    memory_fair_share_bytes: int | None = None  # its fair share while its GPU is oversubscribed
+    pending_bytes: int = 0  # an allocation waiting for admission
+    waiting_s: float | None = None  # how long it has waited for memory
+    time_share: float | None = None  # throttle target (fraction of one GPU); None: not throttled
+    measured_share: float | None = None  # the throttle's measured share
+    elastic_share: float | None = None  # its part of the GPU in the elastic division
+    elastic_role: str = ""  # gaining, yielding, plateaued, fair, measuring, fixed, alone
+    growth_efficiency: float | None = None  # progress per GPU-second / its early rate
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The one published view of the node for one sample interval."""
 
@@ -344,6 +367,7 @@ class Snapshot:
     driver_version: str | None = None
     cuda_driver_version: int | None = None
     progress: tuple[ContainerProgress, ...] = ()  # per container that declared a progress file
+    enforcement: tuple[ContainerEnforcement, ...] = ()  # the enforcer's view (agent with --policy)
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)

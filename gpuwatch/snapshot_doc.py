@@ -14,7 +14,8 @@ and what the agent serves as /snapshot.json (consumers share this one format). I
                      "processes": [{pid (host), container_pid, comm, memory_bytes, ...}],
                      "probe": {...} | null}],
      "pods": [...], "namespaces": [...], "probe_counters": [...], "notes": [...],
-     "progress": [{"identity": {...}, "path", "goal", "value", "rate_per_gpu_second", ...}]}
+     "progress": [{"identity": {...}, "path", "goal", "value", "rate_per_gpu_second", ...}],
+     "enforcement": [{"identity": {...}, "state", "reason", "memory_limit_bytes", "time_share", ...}]}
 
 Readers ignore unknown keys and use defaults for optional ones, so older documents and
 newer writers interoperate. Non-finite floats (NaN/inf) are written as null.
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import (
+    ContainerEnforcement,
     ContainerIdentity,
     ContainerNetwork,
     ContainerProgress,
@@ -357,6 +359,12 @@ def snapshot_from_dict(data: Any) -> Snapshot:
                        identity=_identity_from(_expect_dict(p, f"progress[{i}]").get("identity"),
                                                f"progress[{i}].identity"))
             for i, p in enumerate(items("progress")))
+    if "enforcement" in names:
+        special["enforcement"] = tuple(
+            _flat_from(ContainerEnforcement, e, f"enforcement[{i}]",
+                       identity=_identity_from(_expect_dict(e, f"enforcement[{i}]").get("identity"),
+                                               f"enforcement[{i}].identity"))
+            for i, e in enumerate(items("enforcement")))
     return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})
 
 

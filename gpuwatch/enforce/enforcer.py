@@ -49,7 +49,7 @@ from gpuwatch.enforce.recovery import RecoveryMetrics
 from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
 from gpuwatch.enforce.webhook_requests import decide_webhook
 from gpuwatch.errors import EnforcementError
-from gpuwatch.model import ContainerIdentity, Snapshot
+from gpuwatch.model import ContainerEnforcement, ContainerIdentity, Snapshot
 from gpuwatch.policy.evaluate import (
     VANISHED_INTERVALS,
     Decision,
@@ -170,6 +170,9 @@ class Enforcer:
         self.sharing = SharingLedger()
         self.node_listing = NodeListing(node_containers, node_scan_s)
         self.last_exclusive = ExclusivePlan()
+        self._holds: dict[str, Decision] = {}
+        """Key -> the last throttle/pause/checkpoint decision carried out (or recorded in a dry run)."""
+        self._view: tuple[ContainerEnforcement, ...] = ()
         self.recovery_metrics = RecoveryMetrics()
         self.recovered = self.actions.control.registry.recover(self._on_recovery) if recover else []
 
@@ -296,9 +299,19 @@ class Enforcer:
                     result = ActionResult(Status.FAILED, str(err))
         self.audit.record(decision, result, dry_run=self.dry_run)
         self.metrics.count_action(decision.verb.value, result.status.value)
+        self._remember(decision, result)
         if result.status is Status.FAILED:
             log.error("%s on %s failed: %s", decision.verb.value, decision.target.display_name, result.detail)
         return result
+
+    def _remember(self, decision: Decision, result: ActionResult) -> None:
+        """What holds each container now, for the view (top shows why a job is slow)."""
+        if result.status not in (Status.OK, Status.STARTED, Status.DRY_RUN):
+            return
+        if decision.verb is Verb.RELEASE:
+            self._holds.pop(decision.key, None)
+        elif decision.verb in (Verb.THROTTLE, Verb.PAUSE, Verb.CHECKPOINT_KILL, Verb.KILL):
+            self._holds[decision.key] = decision
 
     def _on_complete(self, decision: Decision, result: ActionResult) -> None:
         """Final result of an asynchronous action (checkpoint-then-kill)."""
@@ -323,6 +336,10 @@ class Enforcer:
                 continue
             rule = rules.get(result.rules_by_target.get(key, ""))
             wanted[identity.cgroup_id] = (limit, kernel_action(rule, fair))
+        if policy.fair_share.enabled and policy.rescheduling.gate_new:
+            for identity in self._not_yet_on_a_gpu(policy):
+                if identity.cgroup_id is not None and identity.cgroup_id not in wanted:
+                    wanted[identity.cgroup_id] = (0, "stop")  # its first allocation waits for admission
         if not self.dry_run:
             for cgroup_id, (limit, action) in wanted.items():
                 if self._pushed_limits.get(cgroup_id) != (limit, action):
@@ -331,6 +348,21 @@ class Enforcer:
                 self.limit_map.clear(cgroup_id)
         self._pushed_limits = wanted
         self._push_devices(result, snapshot)
+
+    def _not_yet_on_a_gpu(self, policy: Policy) -> list[ContainerIdentity]:
+        """Containers on the node a rule matches that the snapshot does not show on a GPU yet
+        (rescheduling.gate_new): listed every snapshot while fair share is on."""
+        if self.node_listing.source is None:
+            self.sharing.say_once("no-gate-new", "rescheduling.gate_new: no node container listing wired; a "
+                                  "container's first allocation is not held for admission")
+            return []
+        found = []
+        for identity in self.node_listing.get(now=True):
+            if identity.key in self._identities or self.safety.unsafe_reason(identity):
+                continue
+            if select_rule(policy, identity).rule is not None:
+                found.append(identity)
+        return found
 
     def _push_devices(self, result: EvaluationResult, snapshot: Snapshot | None) -> None:
         """Device gate per cgroup id: the rule's `limits.devices`, minus GPUs another
@@ -559,6 +591,8 @@ class Enforcer:
             for p, t in sorted(control.throttled().items())
         )
         self.metrics.set_view(tuple(limits), paused, throttled)
+        self._view = self._enforcement_view(result)
+        self.metrics.set_sharing_view(self._view)
         if snapshot is not None:
             with self._lock:
                 policy = self.policy
@@ -569,6 +603,69 @@ class Enforcer:
                     count = sum(1 for gpus in self.sharing.denied.values() if device.index in gpus)
                     gated.append(((snapshot.node, str(device.index), device.uuid, device.name), count))
             self.metrics.set_sharing(snapshot.node, tuple(sorted(quotas.items())), tuple(gated))
+
+    def _enforcement_view(self, result: EvaluationResult) -> tuple[ContainerEnforcement, ...]:
+        """Per container in the snapshot: its state (throttled, paused, waiting for memory,
+        checkpointing), why, its memory limit and fair share, its time share, the elastic
+        controller's view of it."""
+        control = self.actions.control
+        paused = control.paused()
+        throttles = control.throttled()
+        checkpointing = self.actions.checkpoint.in_progress()
+        waiting = result.state.memory.waiting
+        now = result.state.last_snapshot_s or 0.0
+        out = []
+        for key, identity in sorted(self._identities.items()):
+            measured = result.measurements.get(key)
+            memory = result.memory_status.get(key, ())
+            elastic = result.elastic_status.get(key)
+            hold = self._holds.get(key)
+            path = identity.cgroup_path
+            throttle = throttles.get(path)
+            waited = now - waiting[key].since_s if key in waiting else None
+            share = throttle.target_share if throttle is not None and throttle.running else None
+            if self.dry_run and hold is not None and hold.verb is Verb.THROTTLE:
+                share = hold.share
+            if path in checkpointing or (hold is not None and hold.verb in (Verb.CHECKPOINT_KILL, Verb.KILL)):
+                state = "checkpointing"
+            elif key in waiting:
+                state = "waiting-memory"
+            elif path in paused or (self.dry_run and hold is not None and hold.verb is Verb.PAUSE):
+                state = "paused"
+            elif share is not None:
+                state = "throttled"
+            else:
+                state = "running"
+            limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes if measured else None)
+            reason = hold.reason if hold is not None and state != "running" else ""
+            if self.dry_run and reason:
+                reason = f"dry run, not done: {reason}"
+            out.append(ContainerEnforcement(
+                identity=identity,
+                state=state,
+                reason=reason,
+                rule=hold.rule if hold is not None and state != "running" else result.rules_by_target.get(key, ""),
+                memory_limit_bytes=limit,
+                memory_fair_share_bytes=result.fair_shares_bytes.get(key),
+                pending_bytes=sum(m.pending_bytes for m in memory),
+                waiting_s=round(waited, 3) if waited is not None else None,
+                time_share=share,
+                measured_share=throttle.measured_share if throttle is not None and throttle.running else None,
+                elastic_share=elastic.share if elastic is not None else None,
+                elastic_role=elastic.role if elastic is not None else "",
+                growth_efficiency=elastic.efficiency if elastic is not None else None,
+            ))
+        for key in set(self._holds) - set(self._identities):
+            del self._holds[key]
+        return tuple(out)
+
+    def view(self) -> tuple[ContainerEnforcement, ...]:
+        """The enforcer's per-container state after the latest snapshot (immutable)."""
+        return self._view
+
+    def decorate(self, snapshot: Snapshot) -> Snapshot:
+        """`snapshot` carrying this enforcer's view (what the agent serves as /snapshot.json)."""
+        return replace(snapshot, enforcement=self._view)
 
     # -- Alertmanager webhook ---------------------------------------------------------------
     def on_webhook(self, request: Any) -> str:

@@ -5,7 +5,10 @@ gpuwatch_enforce_limit_gpu_time_share per container, gpuwatch_enforce_paused /
 gpuwatch_enforce_throttled_share per container, gpuwatch_policy_reloads_total{result},
 gpuwatch_policy_loaded_timestamp_seconds, gpuwatch_deadlocks_{detected,resolved}_total,
 gpuwatch_namespace_gpu_memory_quota_bytes{node,namespace} (the policy's namespace quotas, for
-schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}; WebhookMetrics:
+schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}; per container
+from the enforcer's view: gpuwatch_enforce_memory_fair_share_bytes, _waiting_for_memory_seconds,
+_pending_allocation_bytes (rescheduling), gpuwatch_enforce_elastic_share{role} and
+gpuwatch_enforce_growth_efficiency (elastic); WebhookMetrics:
 gpuwatch_webhook_requests_total{result}, gpuwatch_webhook_alerts_total{result}.
 """
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.model import ContainerEnforcement, ContainerIdentity
 
 TARGET_LABELS = ["namespace", "pod", "container", "container_id", "cgroup"]
 
@@ -59,6 +62,7 @@ class EnforcerMetrics(Collector):
         self._node = ""
         self._quotas: tuple[tuple[str, int], ...] = ()
         self._gated: tuple[tuple[tuple[str, str, str, str], int], ...] = ()
+        self._enforcement: tuple[ContainerEnforcement, ...] = ()
 
     def count_action(self, action: str, result: str) -> None:
         with self._lock:
@@ -93,9 +97,15 @@ class EnforcerMetrics(Collector):
         with self._lock:
             self._node, self._quotas, self._gated = node, quotas, gated
 
+    def set_sharing_view(self, enforcement: tuple[ContainerEnforcement, ...]) -> None:
+        """The enforcer's per-container view (rescheduling and elastic state)."""
+        with self._lock:
+            self._enforcement = enforcement
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             node, quotas, gated = self._node, self._quotas, self._gated
+            enforcement = self._enforcement
             actions = dict(self.actions)
             reloads = dict(self.reloads)
             limits, paused, throttled = self._limits, self._paused, self._throttled
@@ -188,6 +198,48 @@ class EnforcerMetrics(Collector):
         for gpu_labels, count in gated:
             gated_fam.add_metric(list(gpu_labels), count)
         yield gated_fam
+        yield from _view_families(enforcement)
+
+
+def _view_families(enforcement: tuple[ContainerEnforcement, ...]) -> Iterator[Metric]:
+    fair = GaugeMetricFamily(
+        "gpuwatch_enforce_memory_fair_share_bytes",
+        "Fair share of GPU memory while the container's GPU is oversubscribed (fair_share.split).",
+        labels=TARGET_LABELS,
+    )
+    waiting = GaugeMetricFamily(
+        "gpuwatch_enforce_waiting_for_memory_seconds",
+        "How long the container has been paused waiting for GPU memory (rescheduling).",
+        labels=TARGET_LABELS,
+    )
+    pending = GaugeMetricFamily(
+        "gpuwatch_enforce_pending_allocation_bytes",
+        "An allocation stopped at the kernel, waiting for admission.",
+        labels=TARGET_LABELS,
+    )
+    elastic = GaugeMetricFamily(
+        "gpuwatch_enforce_elastic_share",
+        "The container's part of its GPU in the elastic (progress-aware) division.",
+        labels=[*TARGET_LABELS, "role"],
+    )
+    efficiency = GaugeMetricFamily(
+        "gpuwatch_enforce_growth_efficiency",
+        "Progress per GPU-second over the elastic window, relative to the job's early rate.",
+        labels=TARGET_LABELS,
+    )
+    for item in enforcement:
+        labels = _target_labels(item.identity)
+        if item.memory_fair_share_bytes is not None:
+            fair.add_metric(labels, item.memory_fair_share_bytes)
+        if item.waiting_s is not None:
+            waiting.add_metric(labels, item.waiting_s)
+        if item.pending_bytes:
+            pending.add_metric(labels, item.pending_bytes)
+        if item.elastic_share is not None:
+            elastic.add_metric([*labels, item.elastic_role], item.elastic_share)
+        if item.growth_efficiency is not None:
+            efficiency.add_metric(labels, item.growth_efficiency)
+    yield from (fair, waiting, pending, elastic, efficiency)
 
 
 WEBHOOK_RESULTS = ("ok", "unauthorized", "rejected", "too_large", "rate_limited")

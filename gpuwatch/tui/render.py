@@ -72,31 +72,47 @@ GPU_COLUMN = Column("GPU", True, 3)
 PIDS_COLUMN = Column("PIDS(host/ctr)", False, 14)
 NUMBER_COLUMNS = (PIDS_COLUMN, Column("MEMORY", True, 10), Column("SM%", True, 4), Column("KERNEL-S", True, 8))
 PROBE_COLUMN = Column("PROBES", False, 0)
+SHARING_COLUMNS = (Column("LIMIT", True, 5), Column("SHARE", True, 5), Column("STATE", False, 7),
+                   Column("PROGRESS", False, 8))
 GAP = "  "
 
 
 def _container_cells(row: ContainerRow, flat: bool, cluster: bool = False) -> list[str]:
     """The cells of a container row; the cluster view adds NODE first and has no PIDs
-    (Prometheus has no per-process data)."""
+    (Prometheus has no per-process data); with sharing data, LIMIT, SHARE, STATE, PROGRESS."""
     cells = [row.node, row.namespace, row.pod, row.container] if cluster else [row.namespace, row.pod, row.container]
     if flat:
         cells.append(str(row.gpu_index))
     if not cluster:
         cells.append(row.pids_text)
-    return [*cells, row.memory_text, row.sm_text, row.kernel_text, row.probe_text]
+    cells += [row.memory_text, row.sm_text, row.kernel_text]
+    if row.sharing:
+        cells += [row.limit_text, row.share_text, row.state_text, row.progress_text]
+    return [*cells, row.probe_text]
 
 
-def _columns(flat: bool, cluster: bool = False) -> list[Column]:
+def _columns(flat: bool, cluster: bool = False, sharing: bool = False) -> list[Column]:
     names = [NODE_COLUMN, *NAME_COLUMNS] if cluster else list(NAME_COLUMNS)
     numbers = [c for c in NUMBER_COLUMNS if not (cluster and c is PIDS_COLUMN)]
-    return [*names, *([GPU_COLUMN] if flat else []), *numbers, PROBE_COLUMN]
+    extra = list(SHARING_COLUMNS) if sharing else []
+    return [*names, *([GPU_COLUMN] if flat else []), *numbers, *extra, PROBE_COLUMN]
+
+
+def _has_sharing(rows: Sequence[Row]) -> bool:
+    return any(isinstance(row, ContainerRow) and row.sharing for row in rows)
+
+
+def _columns_for(flat: bool, cluster: bool, widths: Sequence[int]) -> list[Column]:
+    """The columns that `widths` (from column_widths) were computed for."""
+    plain = _columns(flat, cluster)
+    return plain if len(widths) == len(plain) else _columns(flat, cluster, sharing=True)
 
 
 def column_widths(rows: Sequence[Row], flat: bool, width_cells: int | None, cluster: bool = False) -> list[int]:
     """Cell widths per column. Natural widths when `width_cells` is None (plain output);
     otherwise the name columns (node too, in the cluster view) shrink (never below their
     minimum) to fit the terminal."""
-    columns = _columns(flat, cluster)
+    columns = _columns(flat, cluster, _has_sharing(rows))
     natural = [fmt.display_width(c.header) for c in columns]
     has_probe = False
     for row in rows:
@@ -130,7 +146,7 @@ def _join(cells: Sequence[str], columns: Sequence[Column], widths: Sequence[int]
 
 
 def header_text(flat: bool, widths: Sequence[int], cluster: bool = False) -> str:
-    columns = _columns(flat, cluster)
+    columns = _columns_for(flat, cluster, widths)
     return _join([c.header for c in columns], columns, widths)
 
 
@@ -163,7 +179,7 @@ def row_text(row: Row, flat: bool, widths: Sequence[int], cluster: bool = False)
         return gpu_text(row)
     if isinstance(row, ContainerRow):
         marker = "-" if row.expanded else "+"
-        text = _join(_container_cells(row, flat, cluster), _columns(flat, cluster), widths)
+        text = _join(_container_cells(row, flat, cluster), _columns_for(flat, cluster, widths), widths)
         return marker + text[1:] if row.processes else text
     if isinstance(row, ProcessRow):
         return process_text(row)
@@ -222,7 +238,7 @@ def plain_table(snapshot: Snapshot, state: ViewState | None = None) -> str:
             lines.append(header_text(flat, widths, cluster))
             flat_header_done = True
         if isinstance(row, ContainerRow):
-            lines.append(_join(_container_cells(row, flat, cluster), _columns(flat, cluster), widths))
+            lines.append(_join(_container_cells(row, flat, cluster), _columns_for(flat, cluster, widths), widths))
         else:
             lines.append(row_text(row, flat, widths, cluster))
     return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -260,6 +276,12 @@ HELP_LINES = (
     "SM% = its share of the GPU's streaming multiprocessors over the last interval;",
     "KERNEL-S = cumulative seconds of GPU kernel time (never goes backwards);",
     "PIDS(host/ctr) = host PID / PID inside the container.",
+    "With an agent's enforcer (top --agent) or progress files: LIMIT = GPU memory it may",
+    "hold (rule limit or fair-share allowance); SHARE = GPU time share it is given (throttle",
+    "target or elastic share); STATE = running, throttled to x%, paused, waiting for",
+    "memory (rescheduling), checkpointing, with the elastic role (gaining, yielding,",
+    "plateaued); PROGRESS = its evaluation value, arrow = direction, % = progress per",
+    "GPU-second against its own early rate ('plateau' near 0).",
 )
 
 CLUSTER_HELP_LINES = (

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpuwatch.model import ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
+from gpuwatch.model import ContainerEnforcement, ContainerProgress, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.tui import fmt
 from gpuwatch.tui.cluster import is_cluster, node_parts
 
@@ -126,6 +126,13 @@ class ContainerRow:
     expanded: bool
     node: str = ""
     kind: RowKind = RowKind.CONTAINER
+    sharing: bool = False
+    """The snapshot carries sharing data (the enforcer's view, progress): the LIMIT, SHARE,
+    STATE and PROGRESS columns are shown."""
+    limit_text: str = ""
+    share_text: str = ""
+    state_text: str = ""
+    progress_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -295,10 +302,97 @@ def _gpu_row(device: DeviceInfo | None, gpu_index: int, containers: int, collaps
     )
 
 
-def _container_rows(usage: ContainerUsage, state: ViewState, node: str = "") -> list[Row]:
+PLATEAU_EFFICIENCY = 0.05
+"""Below this growth efficiency the PROGRESS column says "plateau" (elastic.plateau's default)."""
+
+
+@dataclass(frozen=True)
+class SharingInfo:
+    """The enforcer's view and the progress input, by container key (None: no such data)."""
+
+    enforcement: dict[str, ContainerEnforcement]
+    progress: dict[str, ContainerProgress]
+
+    @staticmethod
+    def of(snapshot: Snapshot) -> SharingInfo | None:
+        enforcement = {e.identity.key: e for e in getattr(snapshot, "enforcement", ())}
+        progress = {p.identity.key: p for p in getattr(snapshot, "progress", ())}
+        return SharingInfo(enforcement, progress) if enforcement or progress else None
+
+
+def state_text(item: ContainerEnforcement | None) -> str:
+    """'throttled to 35%', 'paused', 'waiting for memory 12s (+2.0 GiB)', 'checkpointing',
+    'running'; the elastic role in brackets where it explains the share."""
+    if item is None:
+        return "-"
+    if item.state == "throttled" and item.time_share is not None:
+        text = f"throttled to {item.time_share:.0%}"
+    elif item.state == "waiting-memory":
+        waited = f" {item.waiting_s:.0f}s" if item.waiting_s is not None else ""
+        more = f" (+{fmt.bytes_text(item.pending_bytes)})" if item.pending_bytes else ""
+        text = f"waiting for memory{waited}{more}"
+    else:
+        text = item.state or "running"
+    if item.elastic_role in ("gaining", "yielding", "plateaued") and item.state in ("running", "throttled"):
+        text += f" ({item.elastic_role})"
+    return text
+
+
+def share_text(item: ContainerEnforcement | None) -> str:
+    """The GPU time share it is given: the throttle's target, else its elastic share."""
+    if item is None:
+        return "-"
+    if item.time_share is not None:
+        return fmt.ratio_percent_text(item.time_share)
+    if item.elastic_share is not None:
+        return fmt.ratio_percent_text(item.elastic_share)
+    return "-"
+
+
+def limit_text(item: ContainerEnforcement | None) -> str:
+    """Its GPU memory limit (rule limit or fair-share allowance), '-' without one."""
+    if item is None or item.memory_limit_bytes is None:
+        return "-"
+    return fmt.bytes_text(item.memory_limit_bytes)
+
+
+def progress_text(progress: ContainerProgress | None, item: ContainerEnforcement | None) -> str:
+    """'0.412 ↓ 45%': the evaluation value, its direction, and its growth efficiency (progress
+    per GPU-second as a share of the job's early rate; 'plateau' when ~0). '-' without input."""
+    if progress is None or progress.value is None:
+        if progress is not None and progress.last_error:
+            return f"? ({progress.last_error})"
+        return "-"
+    value = f"{progress.value:.4g}"
+    rate = progress.rate_per_gpu_second
+    arrow = ""
+    if rate is not None and math.isfinite(rate) and rate != 0.0:
+        improving = rate > 0
+        rising = improving == (progress.goal == "maximize")
+        arrow = " ↑" if rising else " ↓"
+    efficiency = item.growth_efficiency if item is not None else None
+    if efficiency is not None and efficiency < PLATEAU_EFFICIENCY:
+        trend = " plateau"
+    elif efficiency is not None:
+        trend = f" {efficiency:.0%}"
+    elif rate is not None and math.isfinite(rate) and rate <= 0.0:
+        trend = " flat"
+    else:
+        trend = ""
+    stale = " (read error)" if progress.last_error else ""
+    return value + arrow + trend + stale
+
+
+def _container_rows(usage: ContainerUsage, state: ViewState, node: str = "",
+                    sharing: SharingInfo | None = None) -> list[Row]:
     key = container_row_key(usage, node)
     ns, pod, name = container_labels(usage)
     expanded = key in state.expanded
+    texts = ("", "", "", "")
+    if sharing is not None:
+        item = sharing.enforcement.get(usage.identity.key)
+        texts = (limit_text(item), share_text(item), state_text(item),
+                 progress_text(sharing.progress.get(usage.identity.key), item))
     rows: list[Row] = [ContainerRow(
         key=key, gpu_index=usage.gpu_index, namespace=ns, pod=pod, container=name,
         container_id=usage.identity.container_id, is_host=not usage.identity.is_container,
@@ -306,7 +400,8 @@ def _container_rows(usage: ContainerUsage, state: ViewState, node: str = "") -> 
         memory_text=fmt.bytes_text(usage.memory_bytes),
         sm_text=fmt.ratio_percent_text(usage.sm_utilization_ratio),
         kernel_text=fmt.seconds_text(usage.kernel_seconds_total),
-        probe_text=probe_text(usage), expanded=expanded, node=node,
+        probe_text=probe_text(usage), expanded=expanded, node=node, sharing=sharing is not None,
+        limit_text=texts[0], share_text=texts[1], state_text=texts[2], progress_text=texts[3],
     )]
     if expanded:
         if not usage.processes and not node:  # the cluster view has no per-process data at all
@@ -329,6 +424,7 @@ def build_rows(snapshot: Snapshot, state: ViewState) -> list[Row]:
     GPU, nodes in name order; sorting and the flat list span every node.
     """
     parts = node_parts(snapshot)
+    sharing = None if is_cluster(snapshot) else SharingInfo.of(snapshot)
     devices = {(node, d.index): d for node, part in parts for d in part.devices}
     entries: list[Entry] = [(node, c) for node, part in parts for c in part.containers]
     visible = _sort_entries([e for e in entries if _entry_matches(e[0], e[1], state.filter_text)], state)
@@ -355,13 +451,13 @@ def build_rows(snapshot: Snapshot, state: ViewState) -> list[Row]:
             suffix = f":{node}" if node else ""
             rows.append(MessageRow(key=f"m:empty{suffix}:{index}", text=text))
         for usage in containers:
-            rows.extend(_container_rows(usage, state, node))
+            rows.extend(_container_rows(usage, state, node, sharing))
     if not state.group_by_gpu:
         if not visible:
             text = "no matching containers" if state.filter_text.strip() else "no GPU processes"
             rows.append(MessageRow(key="m:empty", text=text))
         for node, usage in visible:
-            rows.extend(_container_rows(usage, state, node))
+            rows.extend(_container_rows(usage, state, node, sharing))
     return rows
 
 

@@ -81,6 +81,11 @@ class CheckpointKillAction:
         else:
             log.info("checkpoint-then-kill %s: %s", decision.target.display_name, result.detail)
 
+    def in_progress(self) -> set[str]:
+        """Cgroup paths whose checkpoint (grace period, then kill) is under way."""
+        with self._lock:
+            return {path for path, thread in self._running.items() if thread.is_alive()}
+
     def wait(self, timeout_s: float) -> bool:
         """Wait for every checkpoint in progress (tests, shutdown); True if all finished."""
         deadline = time.monotonic() + timeout_s
