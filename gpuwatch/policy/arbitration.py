@@ -18,12 +18,17 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   have (its memory minus what processes outside containers hold);
 * fair shares: `split: demand` (adaptive) water-fills the memory weighted by demand x
   priority weight; `split: equal` (static) gives each container memory / containers;
+* demand: with `rescheduling.demand_from_limit` a container whose rule sets a gpu_memory
+  limit declares that much: it is admitted for all of it at its first allocation, so jobs
+  that grow never hold part of the GPU while waiting for the rest (a deadlock otherwise);
 * admission, in priority then arrival order: a pending request is admitted when it fits in
-  the memory nobody has been promised yet, and the container stays within its fair share --
-  except the first one in line under `split: demand`, which may go beyond it (two jobs that
-  each need more than half could otherwise wait for each other forever). The rest wait:
-  paused (frozen, and still stopped at the allocation), resumed in the same order as memory
-  frees; one waiting past `rescheduling.checkpoint_after` gets the checkpoint signal;
+  the memory nobody has been promised yet. Under `split: demand` requests are admitted in
+  line until one does not fit; after it, later ones only backfill within their fair share
+  (so a stream of small jobs cannot starve the one waiting). Under `split: equal` every
+  container stays within its equal part (the GPU / the containers holding memory, counting
+  itself). The rest wait: paused (frozen, and still stopped at the allocation), resumed in
+  the same order as memory frees; one waiting past `rescheduling.checkpoint_after` gets the
+  checkpoint signal;
 * allowances: what each running container may hold (held + what was admitted, plus its part
   of the headroom) -- the kernel stops an allocation beyond it, so the sum of allowances never
   exceeds the GPU and nothing runs into OOM. An allowance only grows out of memory that no
@@ -175,10 +180,12 @@ class _Seat:
     arrival_s: float
     managed: bool
     """Matched by a rule: it may be queued, paused and continued (others only count as holders)."""
+    declared: int = 0
+    """Its rule's gpu_memory limit under rescheduling.demand_from_limit: its whole demand."""
 
     @property
     def demand(self) -> int:
-        return self.held + self.pending
+        return max(self.held + self.pending, self.declared)
 
 
 class _Round:
@@ -226,10 +233,12 @@ class _Round:
                     event_s = max(event_s, waiting.event_s)
                     stopped = True
                 blocked = any(e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in on_gpu)
+                declared = limits_by_key.get(key, 0) if policy.rescheduling.demand_from_limit and \
+                    len(view.rows) == 1 else 0
                 self.seats.setdefault(row.gpu_index, []).append(
                     _Seat(key, view, row.gpu_index, row.memory_bytes, pending, event_s, stopped,
                           blocked or key in self.waiting, priorities.get(key, 0), first_seen_s.get(key, t),
-                          managed is None or key in managed)
+                          managed is None or key in managed, declared)
                 )
 
     # -- deadlocks ---------------------------------------------------------------------
@@ -325,11 +334,11 @@ class _Round:
         avail = capacity - outside  # what containers can have: not what host processes hold
         live = [s for s in seats if s.key not in self.checkpointed]
         oversubscribed = sum(s.demand for s in live) > avail
-        shares = self._shares(avail, live, settings.split)
+        prev = {s.key: self.prev.allowances.get((gpu, s.key)) for s in live}
+        shares = self._shares(avail, live, settings.split, prev)
         if oversubscribed:
             for s in live:
                 self.fair_shares[s.key] = self.fair_shares.get(s.key, 0) + shares[s.key]
-        prev = {s.key: self.prev.allowances.get((gpu, s.key)) for s in live}
         # memory already promised: a running container may still grow to its last allowance
         promised = {
             s.key: s.held if s.key in self.waiting else max(s.held, prev[s.key] or 0)
@@ -339,21 +348,23 @@ class _Round:
         order = sorted(live, key=lambda s: (-s.priority, s.arrival_s, s.key))
         admitted: list[_Seat] = []
         waiting: list[_Seat] = []
-        first_in_line = True
+        line_blocked = False  # someone earlier in line waits: the rest may only backfill within their share
         for seat in order:
             if not seat.managed or seat.pending <= 0 or self.deadlocks.get(gpu) == seat.key:
                 continue
             if not self._within_own_limit(seat):
                 continue  # the rule's ladder decides
-            within_share = not oversubscribed or seat.demand <= shares[seat.key]
-            may_exceed = first_in_line and settings.split is FairShareSplit.DEMAND
-            first_in_line = False
+            if settings.split is FairShareSplit.EQUAL:
+                allowed = seat.demand <= shares[seat.key]
+            else:
+                allowed = not line_blocked or not oversubscribed or seat.demand <= shares[seat.key]
             extra = max(seat.demand - promised[seat.key], 0)  # beyond what it was promised already
-            if extra <= unpromised and (within_share or may_exceed):
+            if extra <= unpromised and allowed:
                 unpromised -= extra
                 admitted.append(seat)
             else:
                 waiting.append(seat)
+                line_blocked = True
         for seat in admitted:
             self.admitted[seat.key] = max(self.admitted.get(seat.key, -1.0), seat.pending_event_s)
             if seat.key in self.waiting:
@@ -404,11 +415,15 @@ class _Round:
         self._allowances(gpu, avail, live, shares, oversubscribed, prev, admitted)
 
     @staticmethod
-    def _shares(avail: int, seats: list[_Seat], split: FairShareSplit) -> dict[str, int]:
+    def _shares(avail: int, seats: list[_Seat], split: FairShareSplit, prev: Mapping[str, int | None]
+                ) -> dict[str, int]:
+        """Fair share per container. Equal (static) split: the GPU / the containers that hold
+        memory or were given some, counting the one asking (so a GPU nobody uses is all its)."""
         if not seats:
             return {}
         if split is FairShareSplit.EQUAL:
-            return {s.key: avail // len(seats) for s in seats}
+            holders = {s.key for s in seats if s.held > 0 or (prev.get(s.key) or 0) > 0}
+            return {s.key: avail // max(len(holders | {s.key}), 1) for s in seats}
         demands = [(s.key, s.demand, priority_weight(s.priority) * max(s.demand, 1)) for s in seats]
         shares = weighted_fair_share(avail, demands)
         return {s.key: shares.get(s.key, 0) for s in seats}
@@ -450,7 +465,15 @@ class _Round:
     ) -> None:
         admitted_keys = {s.key for s in admitted}
         running = [s for s in seats if s.key not in self.waiting and s.managed]
-        base = {s.key: s.held + (s.pending if s.key in admitted_keys else 0) for s in running}
+        base: dict[str, int] = {}
+        fresh: set[str] = set()
+        for s in running:
+            base[s.key] = s.held + (s.pending if s.key in admitted_keys else 0)
+            started = s.key in admitted_keys or s.held > 0 or (prev[s.key] or 0) > 0
+            if started:
+                base[s.key] = max(base[s.key], s.declared)  # admitted for all it declared
+            elif self.policy.rescheduling.gate_new:
+                fresh.add(s.key)  # nothing allocated or admitted yet: its first allocation waits for admission
         if oversubscribed or any(s.key in self.waiting for s in seats):
             target = {s.key: max(base[s.key], shares.get(s.key, 0)) for s in running}
         else:
@@ -466,6 +489,10 @@ class _Round:
         slack = avail - sum(current.values()) - sum(s.held for s in seats if s.key in self.waiting or not s.managed)
         for seat in sorted(running, key=lambda s: (-s.priority, s.arrival_s, s.key)):
             key = seat.key
+            if key in fresh:
+                self.allowances[(gpu, key)] = 0
+                slack += current[key]
+                continue
             if target[key] <= current[key]:
                 self.allowances[(gpu, key)] = target[key]
                 continue

@@ -73,7 +73,7 @@ STEP_KEYS = ("do", "at", "for", "on", "signal", "grace", "share", "repeat")
 TUNING_KEYS = ("hysteresis", "release_after", "min_hold", "max_actions_per_minute")
 DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
 FAIR_SHARE_KEYS = ("enabled", "split")
-RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new")
+RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit")
 ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
@@ -697,8 +697,9 @@ def _parse_rescheduling(reader: _Reader, node: Node) -> ReschedulingSettings | N
         values["grace_s"] = reader.parsed(keys["grace"][1], "rescheduling.grace", parse_duration_s, DURATION_FORM)
     if "signal" in keys:
         values["signal"] = reader.parsed(keys["signal"][1], "rescheduling.signal", _parse_signal, "a signal name")
-    if "gate_new" in keys:
-        values["gate_new"] = reader.boolean(keys["gate_new"][1], "rescheduling.gate_new")
+    for key in ("gate_new", "demand_from_limit"):
+        if key in keys:
+            values[key] = reader.boolean(keys[key][1], f"rescheduling.{key}")
     ok &= all(v is not None for k, v in values.items() if k != "checkpoint_after_s")
     return ReschedulingSettings(**values) if ok else None  # type: ignore[arg-type]
 

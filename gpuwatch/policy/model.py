@@ -185,6 +185,10 @@ class ReschedulingSettings:
     gate_new: bool = True
     """With the kernel probes: containers not yet on a GPU get a 0-byte limit with the stop
     action, so their first allocation waits for admission instead of racing the queue."""
+    demand_from_limit: bool = True
+    """A container whose rule sets a gpu_memory limit declares that much as its demand: it is
+    admitted for all of it at its first allocation (and waits until all of it fits), so jobs
+    that grow never hold part of the GPU while waiting for the rest."""
 
 
 @dataclass(frozen=True)

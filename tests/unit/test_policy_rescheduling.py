@@ -80,7 +80,7 @@ def test_waiting_request_outlives_its_event_and_is_resumed_when_memory_frees() -
     assert d.step(snap(32.0, usage(a, 6 * GIB), total=8 * GIB, free=2 * GIB)).decisions == ()
 
 
-def test_first_in_line_may_exceed_its_share_under_demand_split_not_under_equal() -> None:
+def test_admission_in_line_may_exceed_the_share_under_demand_split_not_under_equal() -> None:
     a, b = ident("a"), ident("b")
 
     def run(split: str) -> list[tuple[str, str, bool]]:
@@ -166,3 +166,51 @@ def test_no_deadlock_under_fair_share_while_a_holder_still_runs() -> None:
     result = arbitrate_memory(pol, snap(2.0, total=6 * GIB, free=2 * GIB), views, {}, events, {}, {}, result.state,
                               2.0, emit)
     assert result.detected == 1 and emitted[-1].verb is Verb.KILL
+
+
+DECLARED = """
+fair_share: {enabled: true, split: SPLIT}
+deadlock: {enabled: false}
+rules:
+  - name: jobs
+    match: {namespace: ml}
+    limits: {gpu_memory: 3GiB}
+"""
+
+
+def test_declared_demand_admits_whole_jobs_so_growing_jobs_never_deadlock() -> None:
+    d = Driver(policy(DECLARED.replace("SPLIT", "demand")))
+    jobs = [ident(f"j{i}") for i in range(4)]
+    d.step(snap(1.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB))
+    # each job's first allocation (1 of its 3 GiB) was stopped: two whole jobs fit in 8 GiB
+    events = [stop(j, 1.5 + i / 10, GIB) for i, j in enumerate(jobs)]
+    result = d.step(snap(2.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB), events)
+    assert moves(result) == [("release", "j0", True), ("release", "j1", True),
+                             ("pause", "j2", False), ("pause", "j3", False)]
+    limits = result.effective_limits_bytes
+    assert limits[jobs[0].key] == limits[jobs[1].key] == 3 * GIB  # all of their demand, at once
+    assert limits[jobs[2].key] == limits[jobs[3].key] == 0
+    # j0 and j1 grow to 3 GiB without asking again; j0 ends: j2 (next in line) goes
+    d.step(snap(3.0, *(usage(j, 3 * GIB) for j in jobs[:2]), *(usage(j, 0) for j in jobs[2:]), total=8 * GIB,
+                free=2 * GIB))
+    result = d.step(snap(4.0, usage(jobs[1], 3 * GIB), *(usage(j, 0) for j in jobs[2:]), total=8 * GIB,
+                         free=5 * GIB))
+    assert moves(result) == [("release", "j2", True)]
+
+
+def test_static_split_keeps_a_big_job_out_of_memory_that_adaptive_would_give_it() -> None:
+    big_rule = DECLARED + """  - name: big
+    match: {namespace: big}
+    limits: {gpu_memory: 5GiB}
+"""
+    small, big = ident("small"), ident("big", namespace="big")
+
+    def run(split: str) -> list[tuple[str, str, bool]]:
+        d = Driver(policy(big_rule.replace("SPLIT", split)))
+        d.step(snap(1.0, usage(small, 3 * GIB), total=8 * GIB, free=5 * GIB))
+        d.step(snap(2.0, usage(small, 3 * GIB), usage(big, 0), total=8 * GIB, free=5 * GIB))
+        return moves(d.step(snap(3.0, usage(small, 3 * GIB), usage(big, 0), total=8 * GIB, free=5 * GIB),
+                            [stop(big, 2.5, GIB)]))
+
+    assert run("demand") == [("release", "big", True)]  # its 5 GiB fit in the 5 free
+    assert run("equal") == [("pause", "big", False)]  # more than half of the GPU: waits for the small one
