@@ -91,6 +91,7 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
     # while its data is within --max-data-age (the bound filter enforces anyway)
     cluster = PrometheusCluster(prometheus_url, timeout_s=prometheus_timeout_s, cache_s=cache_s,
                                 revalidate_s=max_data_age_s)
+    cluster.warm()  # the worker process that parses Prometheus' answers, before the first request
     promises = Promises(ttl_s=promise_ttl_s)
     service = Extender(cluster, PlacementConfig(policy=policy, margin_bytes=_size(memory_margin),
                                                 max_data_age_s=max_data_age_s), promises)

@@ -35,6 +35,11 @@ def init_worker(url: str, timeout_s: float) -> None:
     _worker = _Worker(PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0))
 
 
+def ping() -> bool:
+    """Nothing: starting the worker process (spawn + imports) before the first request."""
+    return _worker is not None
+
+
 @dataclass(frozen=True)
 class Refreshed:
     state: ClusterState

@@ -78,6 +78,17 @@ class PrometheusCluster:
                     return self._state
             return self._refresh()
 
+    def warm(self, timeout_s: float = 60.0) -> None:
+        """Start the worker process now (it takes a second), so no request pays for it."""
+        if self._worker_process:
+            self._pool_or_new().submit(refresher.ping).result(timeout=timeout_s)
+
+    def _pool_or_new(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=refresher.init_worker, initargs=(self.url, self.timeout_s))
+        return self._pool
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -104,10 +115,7 @@ class PrometheusCluster:
         wall_now = self._wall_clock()
         if not self._worker_process:
             return refresher.refresh(pods, self.static_every_s, wall_now)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=refresher.init_worker, initargs=(self.url, self.timeout_s))
-        future = self._pool.submit(refresher.refresh, pods, self.static_every_s, wall_now)
+        future = self._pool_or_new().submit(refresher.refresh, pods, self.static_every_s, wall_now)
         try:
             # the static batch and a cold worker (spawn + imports) take longer than one query
             return future.result(timeout=4 * self.timeout_s + 10)

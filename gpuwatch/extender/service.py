@@ -159,8 +159,11 @@ class Extender:
             raise StaleData("Prometheus has no gpuwatch data",
                             fix="check that Prometheus scrapes the agents (gpuwatch_gpu_backend_up)")
         newest = max((n.last_scrape_s for n in state.nodes.values() if n.last_scrape_s is not None), default=None)
+        if newest is None:  # nodes known only from static facts (GPU sizes): nobody is scraped now
+            raise StaleData("Prometheus has no current gpuwatch data (no agent is being scraped)",
+                            fix="check that Prometheus scrapes the agents (gpuwatch_gpu_backend_up)")
         now = self._clock()
-        if newest is not None and now - newest > self.config.max_data_age_s:
+        if now - newest > self.config.max_data_age_s:
             raise StaleData(f"the newest gpuwatch data in Prometheus is {now - newest:.0f} s old "
                             f"(bound {self.config.max_data_age_s:.0f} s)",
                             fix="check that Prometheus still scrapes the agents")
