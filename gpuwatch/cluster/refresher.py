@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from gpuwatch.cluster.model import ClusterState
 from gpuwatch.cluster.prometheus import PrometheusReader
-from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, static_queries
+from gpuwatch.cluster.state import (
+    StaticFacts,
+    build_state,
+    placement_queries,
+    pods_queries,
+    static_facts,
+    static_queries,
+)
 
 
 @dataclass
 class _Worker:
     reader: PrometheusReader
-    static: dict[str, Any] | None = None
+    static: StaticFacts | None = None
     static_at: float = float("-inf")
 
 
@@ -42,9 +48,9 @@ def ping() -> bool:
 
 @dataclass(frozen=True)
 class Refreshed:
-    state: ClusterState
+    state: ClusterState  # without pair scores: `static` carries them when they were read again
     queries: int  # queries this refresh made
-    static_refreshed: bool
+    static: StaticFacts | None  # set when the static batch was read in this refresh
 
 
 def refresh(pod_uids: list[str], static_every_s: float, wall_now_s: float) -> Refreshed:
@@ -58,11 +64,21 @@ def refresh(pod_uids: list[str], static_every_s: float, wall_now_s: float) -> Re
         queries.update(static_queries())
     results = worker.reader.query_batch(queries)
     if static_due:
-        worker.static = {name: results[name] for name in static_queries()}
+        worker.static = static_facts(results)
         worker.static_at = time.monotonic()
     assert worker.static is not None
-    state = build_state({**results, **worker.static}, wall_now_s, health_complete=False)
-    return Refreshed(state, len(queries), static_due)
+    state = build_state(results, wall_now_s, health_complete=False, static=worker.static, with_pairs=False)
+    del results
+    _trim()  # hand the parse's peak back to the OS: this process lives as long as the extender
+    return Refreshed(state, len(queries), worker.static if static_due else None)
+
+
+def _trim() -> None:
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def close_worker() -> None:

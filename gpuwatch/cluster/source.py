@@ -16,6 +16,7 @@ synchronous path, so a Prometheus outage shows up as errors within `revalidate_s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import threading
@@ -51,6 +52,7 @@ class PrometheusCluster:
         self._lock = threading.Lock()  # guards the fields below
         self._sync = threading.Lock()  # one synchronous refresh at a time
         self._state: ClusterState | None = None
+        self._pairs: dict[str, tuple[tuple[int, int, float], ...]] = {}
         self._built_at = float("-inf")
         self._pods: tuple[str, ...] = ()
         self._background: threading.Thread | None = None
@@ -137,8 +139,17 @@ class PrometheusCluster:
                 self.errors_total += 1
             raise
         with self._lock:
-            self._state, self._built_at = done.state, self._clock()
+            if done.static is not None:
+                self._pairs = done.static.pairs
+            pairs = self._pairs
+        state = ClusterState(
+            nodes={name: dataclasses.replace(node, pair_scores=pairs.get(name, ()))
+                   for name, node in done.state.nodes.items()},
+            namespace_memory_bytes=done.state.namespace_memory_bytes,
+            namespace_quota_bytes=done.state.namespace_quota_bytes, fetched_at_s=done.state.fetched_at_s)
+        with self._lock:
+            self._state, self._built_at = state, self._clock()
             self.refreshes_total += 1
             self.queries_total += done.queries
             self.last_refresh_seconds = time.monotonic() - started
-        return done.state
+        return state

@@ -37,6 +37,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.cluster.model import ClusterContainer, ClusterGpu, ClusterNode, ClusterState
@@ -293,17 +294,47 @@ def _container_counts(results: ResultsLike) -> dict[tuple[str, int], int]:
     return physical
 
 
-def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = True) -> ClusterState:
+@dataclass(frozen=True)
+class StaticFacts:
+    """What `static_queries` reads, parsed once: GPU sizes and per-node pair scores."""
+
+    totals: dict[tuple[str, int], float]
+    pairs: dict[str, tuple[tuple[int, int, float], ...]]
+
+
+def static_facts(results: ResultsLike) -> StaticFacts:
+    return StaticFacts(totals=_per_gpu(results, "gpu_memory_total"), pairs=_pair_scores(results))
+
+
+def _pair_scores(results: ResultsLike) -> dict[str, tuple[tuple[int, int, float], ...]]:
+    pairs_by_node: dict[str, dict[tuple[int, int], float]] = {}
+    for labels, value, _ in results.get("pair_score", ()):
+        node = labels.get("node")
+        gpu = parse_gpu_label(labels.get("gpu", ""))
+        peer = parse_gpu_label(labels.get("peer", ""))
+        if not node or gpu is None or peer is None or gpu[1] or peer[1] or not math.isfinite(value):
+            continue
+        scores = pairs_by_node.setdefault(node, {})
+        pair = (gpu[0], peer[0])
+        scores[pair] = max(value, scores.get(pair, value))
+
+    return {node: tuple((a, b, s) for (a, b), s in sorted(scores.items())) for node, scores in pairs_by_node.items()}
+
+
+def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = True,
+                static: StaticFacts | None = None, with_pairs: bool = True) -> ClusterState:
     """The ClusterState of one batch of `cluster_queries()` results read at Unix time ``now_s``.
 
     Pure. ``results`` maps query names to samples ``(labels, value, timestamp)``; a query
     that is absent or empty means "no data" for what it feeds. Nodes are every node label
     seen in any query; nodes, GPUs and containers come out sorted. ``health_complete=False``
     (the `placement_queries` batch, which asks only for unhealthy GPUs): a GPU with no health
-    series is healthy instead of "unknown".
+    series is healthy instead of "unknown". ``static``: GPU sizes and pair scores parsed before
+    (`static_facts`) instead of read from ``results``; ``with_pairs=False`` leaves pair scores
+    out of the nodes (the extender attaches them itself, so they are not shipped every refresh).
     """
     health = _health(results)
-    totals = _per_gpu(results, "gpu_memory_total")
+    totals = static.totals if static is not None else _per_gpu(results, "gpu_memory_total")
     used = _per_gpu(results, "gpu_memory_used")
     free = _per_gpu(results, "gpu_memory_free")
     util = _per_gpu(results, "gpu_utilization")
@@ -337,16 +368,7 @@ def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = T
             exclusive=exclusive.get(key, 0.0) > 0,
         ))
 
-    pairs_by_node: dict[str, dict[tuple[int, int], float]] = {}
-    for labels, value, _ in results.get("pair_score", ()):
-        node = labels.get("node")
-        gpu = parse_gpu_label(labels.get("gpu", ""))
-        peer = parse_gpu_label(labels.get("peer", ""))
-        if not node or gpu is None or peer is None or gpu[1] or peer[1] or not math.isfinite(value):
-            continue
-        scores = pairs_by_node.setdefault(node, {})
-        pair = (gpu[0], peer[0])
-        scores[pair] = max(value, scores.get(pair, value))
+    pairs_by_node = (static.pairs if static is not None else _pair_scores(results)) if with_pairs else {}
 
     containers_by_node: dict[str, list[ClusterContainer]] = {}
     for ckey in sorted(memory):
@@ -362,7 +384,7 @@ def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = T
         name: ClusterNode(
             name=name,
             gpus=tuple(gpus_by_node.get(name, ())),
-            pair_scores=tuple((a, b, s) for (a, b), s in sorted(pairs_by_node.get(name, {}).items())),
+            pair_scores=pairs_by_node.get(name, ()),
             backend_up=up.get(name, 0.0) > 0,
             last_scrape_s=last_scrape.get(name),
             network_speed_bytes=speed.get(name),
