@@ -59,6 +59,7 @@ from gpuwatch.policy.evaluate import (
     Verb,
     evaluate,
 )
+from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.match import select_rule
 from gpuwatch.policy.model import ActionKind, Policy
 from gpuwatch.policy.sharing import (
@@ -170,6 +171,7 @@ class Enforcer:
         self.sharing = SharingLedger()
         self.node_listing = NodeListing(node_containers, node_scan_s)
         self.last_exclusive = ExclusivePlan()
+        self._events: list[ProbeEvent] = []
         self._holds: dict[str, Decision] = {}
         """Key -> the last throttle/pause/checkpoint decision carried out (or recorded in a dry run)."""
         self._view: tuple[ContainerEnforcement, ...] = ()
@@ -253,7 +255,7 @@ class Enforcer:
         started = time.perf_counter()
         self.check_reload()
         clock = self._clock_for(snapshot)
-        events = convert_events(probe_events, wall=clock)
+        events = self._recent(convert_events(probe_events, wall=clock), clock())
         with self._lock:
             if self._closed:
                 return []
@@ -277,6 +279,15 @@ class Enforcer:
             self._update_view(result, snapshot)
         self.last_latency_s = time.perf_counter() - started
         return [o.decision for o in outcomes]
+
+    def _recent(self, events: Sequence[ProbeEvent], now: float) -> list[ProbeEvent]:
+        """The probe events of the policy's blocked window, these included: an event is read
+        from the ring buffer once, but a stopped allocation whose container the snapshot does
+        not show yet (NVML lists it a sample later) must still be seen when it does."""
+        window = self.policy.deadlock.blocked_window_s
+        kept = [e for e in self._events if now - e.timestamp_s <= window]
+        self._events = list(dict.fromkeys([*kept, *events]))
+        return self._events
 
     def _clock_for(self, snapshot: Snapshot) -> Callable[[], float]:
         if self.clock is not None:

@@ -97,7 +97,10 @@ class DutyCycleThrottle:
                         last_t, last_busy = now, busy
                     next_control = now + self.control_interval_s
         except EnforcementError as err:
-            log.error("throttle of %s stopped: %s", self.handle.cgroup_path, err)
+            if self.handle.exists():
+                log.error("throttle of %s stopped: %s", self.handle.cgroup_path, err)
+            else:  # the container ended: nothing left to throttle
+                log.debug("throttle of %s ended with its cgroup", self.handle.cgroup_path)
         finally:
             self._thaw()
 

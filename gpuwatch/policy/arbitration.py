@@ -202,10 +202,12 @@ class _Round:
         t: float,
         emit: Emit,
         managed: Collection[str] | None,
+        strict_limits: Collection[str] | None,
     ) -> None:
         self.policy, self.snapshot, self.t, self.emit = policy, snapshot, t, emit
         self.prev = prev
         self.limits_by_key = limits_by_key
+        self.strict_limits = strict_limits
         self.by_key = {v.identity.key: v for v in views}
         self.recent = events_by_key(views, events, t - policy.deadlock.blocked_window_s)
         self.admitted = {k: v for k, v in prev.admitted_events_s.items() if k in self.by_key}
@@ -232,7 +234,7 @@ class _Round:
                     pending = max(pending, waiting.requested_bytes)
                     event_s = max(event_s, waiting.event_s)
                     stopped = True
-                blocked = any(e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in on_gpu)
+                blocked = any(e.kind in (ProbeEventKind.OOM, ProbeEventKind.STOPPED_AT_ALLOCATION) for e in fresh)
                 declared = limits_by_key.get(key, 0) if policy.rescheduling.demand_from_limit and \
                     len(view.rows) == 1 else 0
                 self.seats.setdefault(row.gpu_index, []).append(
@@ -307,9 +309,13 @@ class _Round:
             self.emit(self._continue(seat))
 
     def _within_own_limit(self, seat: _Seat) -> bool:
+        """False when the request takes the container over its own limit and its rule has a
+        memory step that pauses, checkpoints or kills: that ladder decides. (Over a limit
+        whose ladder only alerts, the request is handled like any other.)"""
         own = self.limits_by_key.get(seat.key)
-        # over its own limit: the rule's ladder decides (pause/checkpoint/kill)
-        return own is None or seat.view.memory_bytes + seat.pending <= own
+        if own is None or seat.view.memory_bytes + seat.pending <= own:
+            return True
+        return self.strict_limits is not None and seat.key not in self.strict_limits
 
     @staticmethod
     def _continue(seat: _Seat) -> Decision:
@@ -545,11 +551,15 @@ def arbitrate_memory(
     t: float,
     emit: Emit,
     managed: Collection[str] | None = None,
+    strict_limits: Collection[str] | None = None,
 ) -> ArbitrationResult:
     """One round of memory arbitration over every GPU the snapshot's containers use.
     `managed`: keys of the containers a rule matches (None: all); only they are queued,
-    paused and continued, the others' memory just counts."""
-    run = _Round(policy, snapshot, views, priorities, events, limits_by_key, first_seen_s, prev, t, emit, managed)
+    paused and continued, the others' memory just counts. `strict_limits`: keys whose rule
+    has a pause/checkpoint/kill step on gpu_memory (None: every limit is strict): a request
+    over such a limit is left to that ladder."""
+    run = _Round(policy, snapshot, views, priorities, events, limits_by_key, first_seen_s, prev, t, emit, managed,
+                 strict_limits)
     for gpu in sorted(run.seats):
         seats = run.seats[gpu]
         run.deadlock(gpu, seats)

@@ -32,7 +32,7 @@ from gpuwatch.policy.elastic import ElasticState, ElasticStatus, elastic_round
 from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.ladder import LadderMove, LadderResult, LadderState, advance, undo_escalation
 from gpuwatch.policy.match import is_host_root, namespace_is_targetable, select_rule
-from gpuwatch.policy.model import ActionKind, ActionStep, NamespaceQuota, Policy, Rule
+from gpuwatch.policy.model import ActionKind, ActionStep, LimitKind, NamespaceQuota, Policy, Rule
 from gpuwatch.policy.usage import ContainerView, Measured, group_containers, measure, rate_from_history
 
 __all__ = [
@@ -323,6 +323,15 @@ def _apply_quota(
     run.ladders[ladder_key] = state
 
 
+def _memory_ladder_acts(rule: Rule) -> bool:
+    """The rule has a step that pauses, checkpoints or kills on GPU memory."""
+    return any(
+        step.kind in (ActionKind.PAUSE, ActionKind.CHECKPOINT_KILL, ActionKind.KILL)
+        and (not step.on or LimitKind.GPU_MEMORY in step.on)
+        for step in rule.actions
+    )
+
+
 def evaluate(
     policy: Policy,
     snapshot: Snapshot,
@@ -363,6 +372,7 @@ def evaluate(
                                state.memory.admitted_events_s)
     first_seen = {k: v for k, v in state.first_seen_s.items()}
     limits_by_key: dict[str, int] = {}
+    strict_limits: set[str] = set()
     for view in views:
         key = view.identity.key
         identities[key] = view.identity
@@ -381,6 +391,8 @@ def evaluate(
             measurements[key] = measured
             if measured.memory_limit_bytes is not None:
                 limits_by_key[key] = measured.memory_limit_bytes
+                if _memory_ladder_acts(rule):
+                    strict_limits.add(key)
             if rule.actions:
                 _apply_container_rule(run, view, rule, measured)
         if is_host_root(view.identity):
@@ -393,7 +405,7 @@ def evaluate(
     for (index, ns), members in quota_members.items():
         _apply_quota(run, policy.namespace_quotas[index], ns, members, shares)
     memory = arbitrate_memory(policy, snapshot, views, priorities, probe_events, limits_by_key, first_seen,
-                              state.memory, t, run.emit, managed=set(rules_by_target))
+                              state.memory, t, run.emit, managed=set(rules_by_target), strict_limits=strict_limits)
     held_elsewhere = set(memory.state.waiting) | set(memory.state.checkpointed) | set(run.reversible)
     progress = {p.identity.key: p for p in snapshot.progress}
     elastic, elastic_status = elastic_round(policy.elastic, views, progress, set(rules_by_target), held_elsewhere,

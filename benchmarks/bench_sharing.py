@@ -1,0 +1,527 @@
+"""Benchmark: sharing a GPU whose memory is oversubscribed -- none vs static fair share vs
+adaptive fair share + execution rescheduling (Chen et al. 2019) vs that + progress-aware
+elastic GPU time (FlowCon).
+
+    sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--mixes homogeneous,heterogeneous]
+                                                       [--modes none,static,adaptive,elastic]
+
+On the simulated GPU node (gpuwatch/sim: kernels contend for a per-device engine, memory is
+a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when full) it runs job mixes in real
+runc containers (pods in namespace `bench`), each job a `gpuwatch sim run` with a fixed
+amount of GPU work (--work-s, GPU-seconds of kernels), memory it allocates in steps while it
+works (as a framework that grows its pool), and a loss curve of the work done that it writes
+to a progress file declared with the gpuwatch.io/progress-file annotation. The agent's
+pipeline runs in this process exactly as `gpuwatch agent --policy` wires it -- the sampler
+(NVML of the simulated node, container identities from the runc bundles, progress files read
+through /proc/<pid>/root), the kernel probes (BCC: uprobes on the simulated libcuda; the
+limit map that stops an allocation at the kernel), the enforcer with its actions (cgroup
+freezer, closed-loop throttle) -- with one policy per mode:
+
+* none: a catch-all rule without limits; nothing is managed. A job whose allocation finds
+  the GPU full gets CUDA_ERROR_OUT_OF_MEMORY and fails (exit 2); it is resubmitted after a
+  second from scratch, as a user's retry would (the sim job keeps no checkpoint of its own);
+* static: fair share with `split: equal` -- a job may hold at most the GPU / the jobs holding
+  memory (counting itself); beyond it, it waits (stopped at the allocation, frozen) until
+  that part has grown;
+* adaptive: fair share with `split: demand` and execution rescheduling: jobs are admitted in
+  priority then arrival order for their whole declared demand (each pod's rule sets
+  gpu_memory to what the job will use: `rescheduling.demand_from_limit`), those that do not
+  fit wait frozen at their first allocation and are resumed in order as memory frees;
+* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency
+  (progress per GPU-second against each job's early rate) through the throttle.
+
+Mixes (per GPU of 8 GiB): homogeneous -- 4 identical jobs (3 GiB, exp loss curve);
+heterogeneous -- 4 jobs with different memory (2-5 GiB), work and curves (fast- and
+slow-converging exp, linear). Jobs arrive 0.3 s apart (arrival order = queue order). The
+combined demand is 12 / 14 GiB per 8 GiB GPU.
+
+Per mode: average job completion time (submission to done, over jobs), makespan, time-
+averaged GPU memory utilisation (the simulated ledger, sampled every 0.1 s), OOM failures
+(jobs that exited on CUDA_ERROR_OUT_OF_MEMORY), and the time for each job to reach 95% of its
+final progress (|loss - start|, from its progress file polled every 0.1 s; a resubmission
+from scratch starts it over), averaged. One table per mix, then one JSON line:
+{"modes": {"none": {...}, ...}} with avg_completion_s, makespan_s, mem_util, oom_failures,
+t95_progress_s over all mixes (averages of the mixes; OOM failures summed), and "mixes" with
+the same per mix.
+
+Needs root, runc and BCC. `--quick` (CI smoke run, < 60 s): the heterogeneous mix with a
+fraction of the work. Everything started is stopped, and the temp directory removed, on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 1 << 30
+MIB = 1 << 20
+MODES = ("none", "static", "adaptive", "elastic")
+NAMESPACE = "bench"
+RETRY_S = 1.0
+STARTUP_S = 1.0
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training-like job: memory grown in `steps` (dividing it exactly) while working, `work_s` GPU-seconds,
+    a loss curve (exp or linear: both can be resumed from a checkpoint by shifting V0)."""
+
+    name: str
+    memory_mib: int
+    steps: int
+    work_s: float
+    curve: str
+    rate: float
+    gpu: int = 0
+    start: float = 1.0
+    arrival_s: float = 0.0
+
+    def loss(self, work_s: float) -> float:
+        if self.curve == "exp":
+            return self.start * math.exp(-self.rate * work_s)
+        return max(0.0, self.start - self.rate * work_s)
+
+
+def mixes(quick: bool) -> dict[str, list[Job]]:
+    """The job mixes; `quick` scales the work down (and keeps only the heterogeneous mix)."""
+    scale = 0.3 if quick else 1.0
+
+    def job(name: str, mib: int, steps: int, work: float, curve: str, rate: float, gpu: int, i: int) -> Job:
+        return Job(name, mib, steps, round(work * scale, 2), curve, rate / scale, gpu, arrival_s=0.3 * i)
+
+    homogeneous = [job(f"same-{i}", 3072, 3, 8.0, "exp", 0.35, 0, i) for i in range(4)]
+    heterogeneous = [
+        job("fast-2g", 2048, 2, 6.0, "exp", 1.0, 0, 0),  # converges in its first GPU-seconds
+        job("slow-5g", 5120, 4, 10.0, "exp", 0.12, 0, 1),  # keeps learning to the end
+        job("linear-3g", 3072, 3, 8.0, "linear", 0.1, 0, 2),  # constant progress per GPU-second
+        job("mid-4g", 4096, 2, 5.0, "exp", 0.5, 0, 3),
+    ]
+    if quick:
+        return {"heterogeneous": heterogeneous}
+    return {"homogeneous": homogeneous, "heterogeneous": heterogeneous}
+
+
+def policy_text(mode: str, jobs: list[Job], quick: bool) -> str:
+    """The policy of one mode: managed modes declare each job's memory with its pod's rule."""
+    if mode == "none":
+        return f"rules:\n  - name: all\n    match: {{namespace: {NAMESPACE}}}\n"
+    split = "equal" if mode == "static" else "demand"
+    lines = [f"fair_share: {{enabled: true, split: {split}}}",
+             "rescheduling: {checkpoint_after: never, gate_new: true, demand_from_limit: true}",
+             "deadlock: {enabled: true, action: checkpoint-then-kill, grace: 10s}"]
+    if mode == "elastic":
+        window, dwell = ("1s", "1s") if quick else ("3s", "3s")
+        lines.append(f"elastic: {{enabled: true, window: {window}, floor: 10%, hysteresis: 5%, min_dwell: {dwell},"
+                     " plateau: 5%, min_gpu_time: 0.2s}")
+    lines.append("tuning: {max_actions_per_minute: 600}")
+    lines.append("rules:")
+    for job in jobs:
+        lines += [f"  - name: {job.name}", f"    match: {{namespace: {NAMESPACE}, pod: {job.name}}}",
+                  f"    limits: {{gpu_memory: {job.memory_mib}MiB}}",
+                  "    actions: [{do: alert, at: 101%}]"]  # its declared demand: reaching it is no violation
+    return "\n".join(lines) + "\n"
+
+
+# ---- the agent's pipeline, in this process ----------------------------------------------------
+
+
+class Pipeline:
+    """Sampler + kernel probes + enforcer, wired as `gpuwatch agent --policy` wires them; the
+    policy (a new enforcer) changes per run."""
+
+    def __init__(self, sim: Any, lab_dirs: dict[str, Path], work: Path, interval_s: float) -> None:
+        from gpuwatch.containers import BundleRoots
+        from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+        from gpuwatch.sampler import build_sampler
+
+        os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)
+        self.work = work
+        self.interval_s = interval_s
+        self.roots = BundleRoots(containerd_tasks=(str(lab_dirs["bundle_root"]),),
+                                 runc_state=(str(lab_dirs["runc_root"]),))
+        self.probes = ProbeManager(ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"),
+                                               libcuda_paths=(str(sim.libraries.cuda_path),)))
+        self.probes.start()
+        self.sampler = build_sampler(nvml_library=str(sim.libraries.nvml_path), interval_s=interval_s,
+                                     node="bench", probe_source=self.probes, bundle_roots=self.roots)
+        self.sampler.start()
+        self.enforcer: Any = None
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-enforcer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from gpuwatch.errors import GpuwatchError
+
+        last = 0.0
+        while not self._stop.wait(self.interval_s / 4):
+            snapshot = self.sampler.latest()
+            if snapshot.timestamp_s == last:
+                continue
+            last = snapshot.timestamp_s
+            events = self.probes.poll_events(0)
+            with self._lock:
+                enforcer = self.enforcer
+                if enforcer is None:
+                    continue
+                try:
+                    enforcer.on_snapshot(snapshot, events)
+                except GpuwatchError as err:
+                    self.errors.append(str(err))
+
+    def use_policy(self, name: str, text: str) -> None:
+        from gpuwatch.enforce.factory import CgroupNodeContainers, build_enforcer
+        from gpuwatch.enforce.limitmap import NullDeviceGate
+
+        path = self.work / f"policy-{name}.yaml"
+        path.write_text(text)
+        with self._lock:
+            if self.enforcer is not None:
+                self.enforcer.close()
+            self.probes.poll_events(0)  # events of the previous run are not this one's
+            self.enforcer = build_enforcer(
+                policy_path=path, audit_log=self.work / f"audit-{name}.jsonl", probes=self.probes,
+                frozen_state_path=self.work / "frozen.json", device_gate=NullDeviceGate(),
+                node_containers=CgroupNodeContainers(bundle_roots=self.roots), recover=False,
+                lock_path=self.work / "agent.lock")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            if self.enforcer is not None:
+                self.enforcer.close()
+                self.enforcer = None
+        self.sampler.stop()
+        self.probes.stop()
+
+
+# ---- one run: a mix under a mode ----------------------------------------------------------------
+
+
+@dataclass
+class JobRun:
+    job: Job
+    progress_file: Path
+    attempts: int = 0
+    oom_failures: int = 0
+    done_s: float | None = None
+    container: Any = None
+    next_start_s: float = 0.0
+    done_work_s: float = 0.0  # resumed from (after a checkpoint)
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def argv(self, sim_name: str) -> list[str]:
+        job = self.job
+        left = max(job.work_s - self.done_work_s, 0.01)
+        start = job.loss(self.done_work_s)
+        mib_per_step = job.memory_mib // job.steps  # whole MiB: the steps add up to the declared demand
+        # a training job's start (imports, data loading) before its first CUDA allocation
+        startup = ["/bin/sh", "-c", f'sleep {STARTUP_S:g} && exec "$@"', job.name]
+        return [*startup, sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim_name, "--gpu", str(job.gpu),
+                "--mib-per-step", f"{mib_per_step:g}", "--steps", str(job.steps), "--interval-s", "0.5", "--hold",
+                "--duty", "1", "--kernel-ms", "10", "--work-s", f"{left:.3f}",
+                "--progress-curve", job.curve, "--progress-rate", f"{job.rate:g}",
+                "--progress-start", f"{max(start, 1e-9):.9g}", "--progress-file", str(self.progress_file),
+                "--progress-interval-s", "0.1"]
+
+
+def last_work_done(logs: str) -> float:
+    """The work done at the last `evaluation <value> <work done s>` line of a job's output."""
+    done = 0.0
+    for line in logs.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "evaluation":
+            try:
+                done = float(parts[2])
+            except ValueError:
+                continue
+    return done
+
+
+def t95(samples: list[tuple[float, float]], start: float, final: float) -> float | None:
+    """First time the progress |loss - start| reached 95% of its final value, in the attempt
+    chain that finished (a progress that falls back below, a restart from scratch, resets it)."""
+    target = 0.95 * abs(final - start)
+    crossed: float | None = None
+    for t, value in samples:
+        reached = abs(value - start) >= target
+        if reached and crossed is None:
+            crossed = t
+        elif not reached:
+            crossed = None
+    return crossed
+
+
+class Run:
+    def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
+                 timeout_s: float, retry_s: float) -> None:
+        self.pipeline, self.lab, self.sim = pipeline, lab, sim
+        self.mode, self.mix = mode, mix
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.dir = work / f"{mix}-{mode}"
+        self.dir.mkdir(parents=True)
+        self.jobs = [JobRun(j, self.dir / j.name / "loss", next_start_s=j.arrival_s) for j in jobs]
+        for run in self.jobs:
+            run.progress_file.parent.mkdir()
+        self.memory: list[tuple[float, float]] = []
+
+    def _spec(self, run: JobRun) -> Any:
+        from gpuwatch.sim import node as simnode
+        from gpuwatch.sim.runc import ContainerSpec
+
+        return ContainerSpec(
+            name=f"{run.job.name}-{run.attempts}", namespace=NAMESPACE, pod=run.job.name,
+            argv=run.argv(self.sim.name), env=simnode.sim_env(self.sim),
+            extra_binds=[str(self.sim.state_path.parent), str(self.sim.root), str(run.progress_file.parent)],
+            ro_binds=[str(self.sim.libraries.lib_dir)],
+            annotations={"gpuwatch.io/progress-file": str(run.progress_file),
+                         "gpuwatch.io/progress-goal": "minimize"},
+        )
+
+    def _memory_ratio(self) -> float:
+        from gpuwatch.sim import node as simnode
+
+        devices = simnode.status(self.sim).devices
+        total = sum(d.memory_total_bytes for d in devices)
+        return sum(d.memory_used_bytes for d in devices) / total if total else 0.0
+
+    def _stop(self, run: JobRun) -> str:
+        """Stop the job's container; its output is kept beside its progress file."""
+        container, run.container = run.container, None
+        logs = container.logs()
+        (run.progress_file.parent / f"attempt-{run.attempts}.log").write_text(logs)
+        container.stop()
+        return str(logs)
+
+    def _finished(self, run: JobRun, now: float) -> None:
+        status = run.container.wait(5)
+        logs = self._stop(run)
+        if status == 0 and any(line.startswith("done ") for line in logs.splitlines()):
+            run.done_s = now
+            self._sample(run, now)
+            return
+        if status == 2 or any(line.startswith("oom ") for line in logs.splitlines()):
+            run.oom_failures += 1
+            run.done_work_s = 0.0  # from scratch: the job kept nothing
+        elif status == 0 and "checkpoint" in logs:
+            run.done_work_s = min(run.done_work_s + last_work_done(logs), run.job.work_s)
+            run.notes.append(f"checkpointed at {run.done_work_s:.2f} GPU-s")
+        else:
+            run.notes.append(f"exit {status}: {logs.strip().splitlines()[-1:] if logs.strip() else ''}")
+            run.done_work_s = 0.0
+        run.next_start_s = now + self.retry_s
+
+    def _describe(self, run: JobRun) -> str:
+        """Process states of an unfinished job (T = stopped at an allocation) and its freezer."""
+        states = []
+        for pid in run.container.pids():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            state = next((line.split()[1] for line in status.splitlines() if line.startswith("State:")), "?")
+            states.append(f"{pid}:{state}")
+        try:
+            frozen = (run.container.v2_dir / "cgroup.freeze").read_text().strip() == "1"
+        except OSError:
+            frozen = False
+        return f"pids {' '.join(states)}{' frozen' if frozen else ''}"
+
+    def _sample(self, run: JobRun, now: float) -> None:
+        try:
+            text = run.progress_file.read_text()
+            value = float(text.split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        if not run.samples or run.samples[-1][1] != value:
+            run.samples.append((now, value))
+
+    def execute(self) -> dict[str, Any]:
+        self.pipeline.use_policy(f"{self.mix}-{self.mode}", policy_text(self.mode, [r.job for r in self.jobs],
+                                                                         quick=self.retry_s < RETRY_S))
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        try:
+            while time.monotonic() < deadline:
+                now = time.monotonic() - t0
+                self.memory.append((now, self._memory_ratio()))
+                for run in self.jobs:
+                    if run.done_s is not None:
+                        continue
+                    if run.container is None and now >= run.next_start_s:
+                        run.attempts += 1
+                        run.container = self.lab.run(self._spec(run))
+                    elif run.container is not None:
+                        self._sample(run, now)
+                        if not run.container.running():
+                            self._finished(run, now)
+                if all(r.done_s is not None for r in self.jobs):
+                    break
+                time.sleep(POLL_S)
+        finally:
+            for run in self.jobs:
+                if run.container is not None:
+                    run.notes.append(f"not done after {self.timeout_s:g} s: {self._describe(run)}")
+                    self._stop(run)
+        return self.metrics(time.monotonic() - t0)
+
+    def metrics(self, elapsed_s: float) -> dict[str, Any]:
+        done = [r for r in self.jobs if r.done_s is not None]
+        makespan = max((r.done_s for r in done if r.done_s is not None), default=elapsed_s)
+        completions = [r.done_s - r.job.arrival_s for r in done if r.done_s is not None]
+        t95s = []
+        for r in done:
+            final = r.job.loss(r.job.work_s)
+            crossed = t95(r.samples, r.job.start, final)
+            if crossed is not None:
+                t95s.append(crossed - r.job.arrival_s)
+        return {
+            "avg_completion_s": round(statistics.fmean(completions), 2) if completions else None,
+            "makespan_s": round(makespan, 2),
+            "mem_util": time_average(self.memory, makespan),
+            "oom_failures": sum(r.oom_failures for r in self.jobs),
+            "t95_progress_s": round(statistics.fmean(t95s), 2) if t95s else None,
+            "completed": f"{len(done)}/{len(self.jobs)}",
+            "jobs": {r.job.name: {"completion_s": round(r.done_s - r.job.arrival_s, 2) if r.done_s else None,
+                                  "attempts": r.attempts, "oom": r.oom_failures,
+                                  "t95_s": round(c - r.job.arrival_s, 2) if (c := t95(
+                                      r.samples, r.job.start, r.job.loss(r.job.work_s))) is not None else None,
+                                  **({"notes": r.notes} if r.notes else {})}
+                     for r in self.jobs},
+        }
+
+
+def time_average(samples: list[tuple[float, float]], until_s: float) -> float | None:
+    """Time-weighted mean of (t, value) samples over [first sample, until_s] (step-wise)."""
+    points = [(t, v) for t, v in samples if t <= until_s]
+    if not points:
+        return None
+    total = area = 0.0
+    for (t, value), (t_next, _) in zip(points, [*points[1:], (until_s, 0.0)], strict=True):
+        area += value * (t_next - t)
+        total += t_next - t
+    return round(area / total, 3) if total > 0 else round(points[-1][1], 3)
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{mix}:", f"{'mode':<10}{'avg completion s':>18}{'makespan s':>12}{'mem util':>10}{'OOM':>6}"
+             f"{'t95 progress s':>16}{'done':>7}"]
+    for mode, m in results.items():
+        lines.append(f"{mode:<10}{fmt(m['avg_completion_s'], '.2f'):>18}{fmt(m['makespan_s'], '.2f'):>12}"
+                     f"{fmt(m['mem_util'], '.1%'):>10}{m['oom_failures']:>6}{fmt(m['t95_progress_s'], '.2f'):>16}"
+                     f"{m['completed']:>7}")
+    return "\n".join(lines)
+
+
+def combine(per_mix: dict[str, dict[str, dict[str, Any]]], modes: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        rows = [per_mix[mix][mode] for mix in per_mix if mode in per_mix[mix]]
+
+        def mean(key: str, rows: list[dict[str, Any]] = rows) -> float | None:
+            values = [r[key] for r in rows if r[key] is not None]
+            return round(statistics.fmean(values), 3) if values else None
+
+        out[mode] = {"avg_completion_s": mean("avg_completion_s"), "makespan_s": mean("makespan_s"),
+                     "mem_util": mean("mem_util"), "oom_failures": sum(r["oom_failures"] for r in rows),
+                     "t95_progress_s": mean("t95_progress_s")}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI smoke run: one mix, a fraction of the work")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--mixes", default=None, help="homogeneous,heterogeneous (default: both; --quick: one)")
+    parser.add_argument("--interval", type=float, default=0.25, help="the agent's sample interval (s)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="per run (default 300, quick 45)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench_sharing needs root (runc containers, cgroups, BPF probes)", file=sys.stderr)
+        return 2
+    from gpuwatch.sim import demo
+    from gpuwatch.sim import node as simnode
+    from gpuwatch.sim.runc import ContainerLab
+
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; use {', '.join(MODES)}")
+    all_mixes = mixes(args.quick)
+    chosen = args.mixes.split(",") if args.mixes else list(all_mixes)
+    if args.mixes:
+        all_mixes = mixes(False) | mixes(args.quick)
+    timeout_s = args.timeout_s or (45.0 if args.quick else 300.0)
+    retry_s = 0.5 if args.quick else RETRY_S
+    work = Path(tempfile.mkdtemp(prefix="bench-sharing-"))
+    per_mix: dict[str, dict[str, dict[str, Any]]] = {}
+    started = time.monotonic()
+    try:
+        with ExitStack() as stack:
+            gpus = 1 + max(j.gpu for mix in chosen for j in all_mixes[mix])
+            sim = simnode.up(name=f"bench{os.getpid()}", root=work / "simroot", devices=gpus, memory_bytes=8 * GIB)
+            stack.callback(simnode.down, sim.name)
+            dirs = demo.default_lab_dirs(work / "lab")
+            lab = stack.enter_context(ContainerLab(**dirs))
+            pipeline = Pipeline(sim, dirs, work, args.interval)
+            stack.callback(pipeline.close)
+            print(f"simulated node: {gpus} GPU(s) of 8 GiB; agent interval {args.interval:g} s; "
+                  f"set up in {time.monotonic() - started:.1f} s", flush=True)
+            for mix in chosen:
+                per_mix[mix] = {}
+                for mode in modes:
+                    t = time.monotonic()
+                    run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s)
+                    per_mix[mix][mode] = run.execute()
+                    print(f"  {mix} / {mode}: {time.monotonic() - t:.1f} s, "
+                          f"jobs {json.dumps(per_mix[mix][mode]['jobs'])}", flush=True)
+            if pipeline.errors:
+                print(f"enforcement errors: {pipeline.errors[:5]}", flush=True)
+    finally:
+        if args.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    for mix, results in per_mix.items():
+        print(table(mix, results))
+        print()
+    print(f"total {time.monotonic() - started:.1f} s")
+    summary = {"modes": combine(per_mix, modes), "quick": args.quick,
+               "mixes": {mix: {mode: {k: v for k, v in m.items() if k != "jobs"} for mode, m in results.items()}
+                         for mix, results in per_mix.items()}}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
