@@ -54,11 +54,15 @@ class FreezeControl:
             self._paused.add(cgroup_path)
         return mechanism
 
-    def throttle(self, key: str, cgroup_path: str, share: float, reason: str) -> str:
+    def throttle(self, key: str, cgroup_path: str, share: float, reason: str, period_s: float | None = None) -> str:
+        """Start a throttle at `share` (or adjust the running one); `period_s`: its freeze/thaw
+        period (None: this control's default)."""
+        period = period_s if period_s is not None else self.throttle_period_s
         with self._lock:
             running = self._throttles.get(cgroup_path)
         if running is not None and running.running:
             running.set_share(share)
+            running.period_s = period
             return "adjusted"
         handle = self.cgroups.handle(cgroup_path)
         mechanism = handle.mechanism()
@@ -68,7 +72,7 @@ class FreezeControl:
             share,
             self.busy_source(key, handle),
             mechanism=mechanism,
-            period_s=self.throttle_period_s,
+            period_s=period,
             control_interval_s=self.throttle_control_s,
         )
         with self._lock:

@@ -52,6 +52,8 @@ class Decision:
     grace_s: float = 0.0
     continue_stopped: bool = False
     suppressed: str = ""
+    period_s: float | None = None
+    """Throttle only: the freeze/thaw period (None: the enforcer's default)."""
 
     @property
     def key(self) -> str:

@@ -17,7 +17,9 @@ Every round, per GPU with two or more running tenants:
 * it is carried out by the closed-loop throttle (enforce/throttle.py): while some job yields
   (its share is below the fair one), every tenant but the one with the largest share is
   throttled to its share, and that one takes what is left; when nobody yields, the elastic
-  throttles are released (plain time slicing is already fair).
+  throttles are released (plain time slicing is already fair);
+* while containers wait for memory on a GPU (rescheduling), nobody there is made to yield:
+  a plateaued job that is slowed down holds its memory longer and keeps the queue waiting.
 
 A read that failed (garbage, a partial write, a missing file) or no new good read within the
 window leaves the job's efficiency unknown for the round: its share is held, never lowered
@@ -75,7 +77,8 @@ class ElasticStatus:
     gpu_index: int
     role: str
     """"gaining", "yielding", "plateaued", "fair" (no efficiency: fair share), "measuring",
-    "fixed" (annotated gpu-share) or "alone"."""
+    "fixed" (annotated gpu-share), "alone" or "queue" (containers wait for memory on the GPU:
+    the division is not applied)."""
     efficiency: float | None
     share: float | None
     throttle: float | None
@@ -163,7 +166,8 @@ class _Controller:
             decision = self.emit(Decision(Verb.RELEASE, job.identity, ELASTIC_RULE, "elastic", reason, measured))
             return job if decision.suppressed else replace(job, throttle=None)
         decision = self.emit(
-            Decision(Verb.THROTTLE, job.identity, ELASTIC_RULE, "elastic", reason, measured, share=round(share, 4))
+            Decision(Verb.THROTTLE, job.identity, ELASTIC_RULE, "elastic", reason, measured, share=round(share, 4),
+                     period_s=self.settings.period_s)
         )
         return job if decision.suppressed else replace(job, throttle=round(share, 4))
 
@@ -188,10 +192,13 @@ def elastic_round(
     prev: ElasticState,
     t: float,
     emit: Emit,
+    queued_gpus: Collection[int] = (),
 ) -> tuple[ElasticState, dict[str, ElasticStatus]]:
     """One round of the controller. `managed`: keys a rule matches (only they are throttled);
     `held_elsewhere`: keys paused, waiting for memory or throttled by a ladder/quota (they do
-    not run or are someone else's; their elastic throttle is forgotten, not released)."""
+    not run or are someone else's; their elastic throttle is forgotten, not released);
+    `queued_gpus`: GPUs where containers wait for memory (rescheduling) -- there nobody is
+    made to yield: a slowed-down holder would keep its memory, and the queue waiting, longer."""
     run = _Controller(settings, prev, t, emit)
     present = {v.identity.key for v in views}
     # the ones gone, or the whole controller switched off: release what it holds
@@ -215,11 +222,11 @@ def elastic_round(
             for gpu in gpus:
                 by_gpu.setdefault(gpu, []).append(key)
     for gpu, keys in sorted(by_gpu.items()):
-        _gpu_round(run, gpu, sorted(keys), managed)
+        _gpu_round(run, gpu, sorted(keys), managed, gpu in queued_gpus)
     return ElasticState(run.jobs, run.changed, run.tenants), run.status
 
 
-def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[str]) -> None:
+def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[str], queued: bool) -> None:
     settings = run.settings
     jobs = run.jobs
     fair = 1.0 / len(keys)
@@ -257,7 +264,7 @@ def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[
         shares = was
     run.tenants[gpu] = tuple(keys)
     elastic_keys = [k for k in keys if k in efficiencies or roles[k] == "held"]
-    yielding = any(shares[k] < fair - settings.hysteresis for k in elastic_keys)
+    yielding = not queued and any(shares[k] < fair - settings.hysteresis for k in elastic_keys)
     top = max(keys, key=lambda k: (shares[k], k in elastic_keys, k)) if keys else None
     for key in keys:
         job = replace(jobs[key], share=shares[key] if len(keys) > 1 else None)
@@ -270,7 +277,10 @@ def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[
         if job.efficiency is not None:
             measured += (("growth_efficiency", round(job.efficiency, 4)),)
         reason = _reason(role, job.efficiency, shares[key], fair) if throttle is not None else \
-            "elastic: nobody yields on this GPU; back to plain time slicing"
+            ("elastic: containers wait for memory on this GPU; plain time slicing until the queue is empty"
+             if queued else "elastic: nobody yields on this GPU; back to plain time slicing")
+        if queued and role in ("gaining", "yielding", "plateaued"):
+            role = "queue"
         if key in managed and role != "fixed":
             job = run.hold(key, job, throttle, reason, measured)
         jobs[key] = job

@@ -408,8 +408,9 @@ def evaluate(
                               state.memory, t, run.emit, managed=set(rules_by_target), strict_limits=strict_limits)
     held_elsewhere = set(memory.state.waiting) | set(memory.state.checkpointed) | set(run.reversible)
     progress = {p.identity.key: p for p in snapshot.progress}
+    queued_gpus = {w.gpu_index for w in memory.state.waiting.values()}
     elastic, elastic_status = elastic_round(policy.elastic, views, progress, set(rules_by_target), held_elsewhere,
-                                            state.elastic, t, run.emit)
+                                            state.elastic, t, run.emit, queued_gpus)
     present = {v.identity.key for v in views}
     # Throttles/pauses whose rule or quota no longer applies (policy reloaded, exemption,
     # rule renamed): release them instead of leaving them in force forever.

@@ -74,7 +74,7 @@ TUNING_KEYS = ("hysteresis", "release_after", "min_hold", "max_actions_per_minut
 DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
 FAIR_SHARE_KEYS = ("enabled", "split")
 RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit")
-ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time")
+ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time", "period")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
     "grace": ActionKind.CHECKPOINT_KILL,
@@ -711,13 +711,14 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
     values: dict[str, object] = {}
     if "enabled" in keys:
         values["enabled"] = reader.boolean(keys["enabled"][1], "elastic.enabled")
-    durations = (("window", "window_s", 1.0), ("min_dwell", "min_dwell_s", 0.0), ("min_gpu_time", "min_gpu_s", 0.0))
-    for key, field_name, minimum in durations:
+    durations = (("window", "window_s", 1.0, 3600.0), ("min_dwell", "min_dwell_s", 0.0, 3600.0),
+                 ("min_gpu_time", "min_gpu_s", 0.0, 3600.0), ("period", "period_s", 0.02, 10.0))
+    for key, field_name, minimum, maximum in durations:
         if key in keys:
             value = reader.parsed(keys[key][1], f"elastic.{key}", parse_duration_s, DURATION_FORM)
-            if value is not None and value < minimum:
-                reader.issue(keys[key][1], f"elastic.{key} must be at least {minimum:g}s, got {value:g}s",
-                             "use a few sample intervals, e.g. \"10s\"")
+            if value is not None and not minimum <= value <= maximum:
+                reader.issue(keys[key][1], f"elastic.{key} must be between {minimum:g}s and {maximum:g}s, "
+                             f"got {value:g}s", f"e.g. elastic.{key}: {ElasticSettings().__dict__[field_name]:g}s")
                 value = None
             values[field_name] = value
     ratios = (("floor", "floor", 0.5), ("hysteresis", "hysteresis", 0.5), ("plateau", "plateau", 1.0))

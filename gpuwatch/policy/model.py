@@ -209,6 +209,9 @@ class ElasticSettings:
     """Normalised efficiency below this = plateaued: the job yields down to the floor."""
     min_gpu_s: float = 0.5
     """A window's rate counts only when the job ran this many GPU-seconds in it."""
+    period_s: float = 0.5
+    """Freeze/thaw period of the elastic throttles: every freeze costs the GPU the moment it
+    takes to give the frozen job's turn to another, so a longer period wastes less."""
 
 
 @dataclass(frozen=True)

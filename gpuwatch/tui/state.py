@@ -335,6 +335,8 @@ def state_text(item: ContainerEnforcement | None) -> str:
         text = item.state or "running"
     if item.elastic_role in ("gaining", "yielding", "plateaued") and item.state in ("running", "throttled"):
         text += f" ({item.elastic_role})"
+    elif item.elastic_role == "queue" and item.state == "running":
+        text += " (memory queue)"  # elastic division held off while others wait for memory
     return text
 
 

@@ -10,7 +10,7 @@ import itertools
 import math
 
 from gpuwatch.model import ContainerIdentity, ContainerProgress, Snapshot
-from gpuwatch.policy.decisions import Verb
+from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.elastic import divide
 from gpuwatch.policy.model import ElasticSettings
 from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
@@ -180,3 +180,27 @@ def test_paused_or_waiting_containers_are_left_to_their_holder() -> None:
 
 def test_snapshot_field_is_optional() -> None:
     assert Snapshot(timestamp_s=0.0, node="", devices=(), containers=()).progress == ()
+
+
+def test_nobody_yields_while_containers_wait_for_memory_on_the_gpu() -> None:
+    from gpuwatch.policy.elastic import elastic_round
+    from gpuwatch.policy.usage import group_containers
+
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    results = run(node, 12)
+    state = results[-1].state.elastic
+    assert state.jobs[ident("flat").key].throttle == 0.1
+    rows = [usage(who, kernel_s=node.kernel[name]) for name, (who, _) in node.jobs.items()]
+    progress = {ident(n).key: node.last[n] for n in node.jobs}
+    emitted: list[Decision] = []
+
+    def emit(decision: Decision) -> Decision:
+        emitted.append(decision)
+        return decision
+
+    state, status = elastic_round(policy(POLICY).elastic, group_containers(rows), progress,
+                                  {ident("steep").key, ident("flat").key}, (), state, node.t + 1, emit, queued_gpus={0})
+    assert [(d.verb, d.target.container_name) for d in emitted] == [(Verb.RELEASE, "flat")]
+    assert {s.role for s in status.values()} == {"queue"}

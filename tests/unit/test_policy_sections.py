@@ -24,12 +24,12 @@ def test_every_key() -> None:
         "fair_share: {enabled: true, split: equal}\n"
         "rescheduling: {checkpoint_after: 5m, signal: SIGTERM, grace: 10s, gate_new: false}\n"
         "elastic: {enabled: true, window: 5s, floor: 15%, hysteresis: 0.1, min_dwell: 20s, plateau: 2%,"
-        " min_gpu_time: 1s}\n" + RULES
+        " min_gpu_time: 1s, period: 200ms}\n" + RULES
     )
     assert policy is not None, [str(i) for i in issues]
     assert policy.fair_share.split is FairShareSplit.EQUAL
     assert policy.rescheduling == ReschedulingSettings(300.0, int(signal.SIGTERM), 10.0, False)
-    assert policy.elastic == ElasticSettings(True, 5.0, 0.15, 0.1, 20.0, 0.02, 1.0)
+    assert policy.elastic == ElasticSettings(True, 5.0, 0.15, 0.1, 20.0, 0.02, 1.0, 0.2)
     never, _ = check_policy_text("rescheduling: {checkpoint_after: never}\n" + RULES)
     assert never is not None and never.rescheduling.checkpoint_after_s is None
 
@@ -47,6 +47,6 @@ def test_errors_name_the_line_and_the_fix() -> None:
     assert any(m.startswith("p.yaml:2: rescheduling.checkpoint_after must be longer than 0s") for m in messages)
     assert any(m.startswith("p.yaml:2: rescheduling.signal") for m in messages)
     assert any("elastic.enabled must be true or false" in m for m in messages)
-    assert any("elastic.window must be at least 1s" in m for m in messages)
+    assert any("elastic.window must be between 1s and 3600s, got 0.2s" in m for m in messages)
     assert any("elastic.floor" in m and "50%" in m for m in messages)
     assert any("unknown key 'plateaux'" in m and "did you mean 'plateau'" in m for m in messages)

@@ -22,7 +22,8 @@ class ThrottleAction:
             return ActionResult(Status.GONE, f"{path} no longer exists")
         share = min(decision.share, 1.0)
         try:
-            how = self.control.throttle(decision.key, path, share, f"{decision.rule}: {decision.reason}")
+            how = self.control.throttle(decision.key, path, share, f"{decision.rule}: {decision.reason}",
+                                        period_s=decision.period_s)
         except EnforcementError as err:
             return ActionResult(Status.FAILED, str(err))
         return ActionResult(Status.OK, f"throttled to {share:.0%} ({how})")
