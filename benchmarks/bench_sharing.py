@@ -212,7 +212,7 @@ class Pipeline:
             self.enforcer = build_enforcer(
                 policy_path=path, audit_log=self.work / f"audit-{name}.jsonl", probes=self.probes,
                 frozen_state_path=self.work / "frozen.json", device_gate=NullDeviceGate(),
-                node_containers=CgroupNodeContainers(bundle_roots=self.roots), recover=False,
+                node_containers=CgroupNodeContainers(bundle_roots=self.roots, subtrees=("/kubepods",)), recover=False,
                 lock_path=self.work / "agent.lock")
 
     def close(self) -> None:

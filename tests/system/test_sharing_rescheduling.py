@@ -1,0 +1,95 @@
+"""Execution rescheduling on an oversubscribed simulated GPU, with runc pods, the kernel probes
+(stop at the allocation) and the enforcer (freeze / thaw + SIGCONT).
+
+A 4 GiB GPU and three jobs that each grow to 2 GiB (declared by their pods' rule) while they
+work: together 6 GiB. Without the agent the third job's allocations would fail with
+CUDA_ERROR_OUT_OF_MEMORY; with fair share + rescheduling it waits, frozen and stopped at its
+first allocation ("waiting for memory" in top), until a job ends, then resumes. Every job
+completes; none sees an OOM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatch import snapshot_doc
+from gpuwatch.enforce.audit import read_audit
+from gpuwatch.sim import demo
+from gpuwatch.sim import node as simnode
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from gpuwatch.tui.render import plain_table
+from tests.system.sharing_lab import InProcessAgent
+from tests.system.sim_helpers import private_node
+
+pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf, pytest.mark.slow]
+GIB = 1 << 30
+NS = "resched-test"
+POLICY = f"""
+fair_share: {{enabled: true, split: demand}}
+rescheduling: {{checkpoint_after: never}}
+rules:
+  - name: jobs
+    match: {{namespace: {NS}}}
+    limits: {{gpu_memory: 2GiB}}
+    actions: [{{do: alert, at: 101%}}]
+"""
+
+
+def spec(sim: simnode.SimNode, name: str) -> ContainerSpec:
+    argv = [sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim.name, "--gpu", "0", "--mib-per-step",
+            "1024", "--steps", "2", "--interval-s", "0.5", "--hold", "--duty", "1", "--kernel-ms", "10",
+            "--work-s", "3"]
+    return ContainerSpec(name=name, namespace=NS, pod=name, argv=["/bin/sh", "-c", 'sleep 1 && exec "$@"', name, *argv],
+                         env=simnode.sim_env(sim), extra_binds=[str(sim.state_path.parent), str(sim.root)],
+                         ro_binds=[str(sim.libraries.lib_dir)])
+
+
+def test_oversubscribed_gpu_waits_instead_of_oom_and_every_job_resumes(
+    tmp_path: Path, runc_required: str, bcc_required: None
+) -> None:
+    with private_node(tmp_path / "node", devices=1, memory_bytes=4 * GIB) as sim:
+        dirs = demo.default_lab_dirs(tmp_path / "node")
+        with ContainerLab(**dirs) as lab, InProcessAgent(sim, dirs, tmp_path, POLICY) as agent:
+            jobs: list[RunningContainer] = []
+            for name in ("first", "second", "third"):
+                jobs.append(lab.run(spec(sim, name)))
+                time.sleep(0.3)
+            seen_waiting: dict[str, object] = {}  # pod -> the first snapshot showing it waiting
+            peak = 0
+            deadline = time.monotonic() + 90
+            while any(j.running() for j in jobs) and time.monotonic() < deadline:
+                peak = max(peak, simnode.status(sim).devices[0].memory_used_bytes)
+                snapshot = agent.snapshot()
+                for e in snapshot.enforcement:
+                    if e.state == "waiting-memory":
+                        seen_waiting.setdefault(e.identity.pod_name, snapshot)
+                time.sleep(0.1)
+            exits = {j.name: (j.wait(5), j.logs()) for j in jobs}
+        assert not agent.errors, agent.errors
+    for name, (status, logs) in exits.items():
+        assert status == 0 and "done " in logs and "oom " not in logs, (name, status, logs[-500:])
+    assert peak <= 4 * GIB
+    # the third does not fit while the first two hold 4 GiB (the second may wait a round too:
+    # the first, alone, was promised the whole GPU until its allowance shrank)
+    assert "third" in seen_waiting, f"the third job never waited for memory: {list(seen_waiting)}"
+    shown = seen_waiting["third"]
+    third = next(e for e in shown.enforcement if e.identity.pod_name == "third")  # type: ignore[attr-defined]
+    assert third.pending_bytes == GIB and third.memory_limit_bytes == 0
+    table = plain_table(shown)  # type: ignore[arg-type]
+    print(table)
+    assert "waiting for memory" in table
+    # the same view through the snapshot document and the CLI, as `top --agent` shows it
+    doc = tmp_path / "snapshot.json"
+    doc.write_text(snapshot_doc.dumps(shown))  # type: ignore[arg-type]
+    top = subprocess.run([sys.executable, "-m", "gpuwatch", "top", "--snapshot-file", str(doc), "--once"],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert "waiting for memory" in top.stdout, top.stdout + top.stderr
+    records = read_audit(agent.audit_path)
+    for pod in seen_waiting:  # every job that waited was resumed
+        moves = [(r["action"], r["scope"]) for r in records if r["target"]["pod"] == pod]  # type: ignore[index]
+        assert ("pause", "fair_share") in moves and ("release", "fair_share") in moves, (pod, moves)
+    assert all(r["result"] in ("ok", "gone") for r in records), records
