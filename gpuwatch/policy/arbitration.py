@@ -25,8 +25,8 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   the memory nobody has been promised yet. Under `split: demand` requests are admitted in
   line until one does not fit; after it, later ones only backfill within their fair share
   (so a stream of small jobs cannot starve the one waiting). Under `split: equal` every
-  container stays within its equal part (the GPU / the containers holding memory, counting
-  itself). The rest wait: paused (frozen, and still stopped at the allocation), resumed in
+  container stays within its equal part (the GPU / the containers holding or asking for
+  memory, counting itself). The rest wait: paused (frozen, and still stopped at the allocation), resumed in
   the same order as memory frees; one waiting past `rescheduling.checkpoint_after` gets the
   checkpoint signal;
 * allowances: what each running container may hold (held + what was admitted, plus its part
@@ -424,12 +424,13 @@ class _Round:
     def _shares(avail: int, seats: list[_Seat], split: FairShareSplit, prev: Mapping[str, int | None]
                 ) -> dict[str, int]:
         """Fair share per container. Equal (static) split: the GPU / the containers that hold
-        memory or were given some, counting the one asking (so a GPU nobody uses is all its)."""
+        memory, were given some or ask for some, counting the one asking (so a GPU nobody
+        else uses or wants is all its)."""
         if not seats:
             return {}
         if split is FairShareSplit.EQUAL:
-            holders = {s.key for s in seats if s.held > 0 or (prev.get(s.key) or 0) > 0}
-            return {s.key: avail // max(len(holders | {s.key}), 1) for s in seats}
+            present = {s.key for s in seats if s.held > 0 or s.pending > 0 or (prev.get(s.key) or 0) > 0}
+            return {s.key: avail // max(len(present | {s.key}), 1) for s in seats}
         demands = [(s.key, s.demand, priority_weight(s.priority) * max(s.demand, 1)) for s in seats]
         shares = weighted_fair_share(avail, demands)
         return {s.key: shares.get(s.key, 0) for s in seats}

@@ -82,3 +82,21 @@ def test_containers_not_on_a_gpu_yet_get_a_zero_byte_stop_limit(tmp_path: Path) 
     without.on_snapshot(snap((hi, 2 * GIB)))
     assert 7 not in off.limits
     without.close()
+
+
+def test_a_stop_event_counts_until_its_container_shows_up(tmp_path: Path) -> None:
+    """The ring buffer gives each event once; NVML may list the stopped container only a
+    sample later: the enforcer keeps the events of the blocked window."""
+    enforcer = make(tmp_path, FAIR, dry_run=True)
+    hi, lo = who("hi", 1), who("lo", 2)
+    t = time.time()
+    assert enforcer.on_snapshot(snap((hi, 2 * GIB), t=t - 1.0), [stopped(lo, GIB, t - 1.2)]) == []
+    # no new events: the stop is still seen. hi, alone, was promised the whole GPU: lo waits
+    # one round for hi's allowance to shrink, then is resumed -- once
+    decisions = enforcer.on_snapshot(snap((hi, 2 * GIB), (lo, 0), t=t))
+    assert [(d.verb.value, d.target.container_name) for d in decisions] == [("pause", "lo")]
+    decisions = enforcer.on_snapshot(snap((hi, 2 * GIB), (lo, 0), t=t + 0.5))
+    assert [(d.verb.value, d.target.container_name, d.continue_stopped) for d in decisions] == [
+        ("release", "lo", True)]
+    assert enforcer.on_snapshot(snap((hi, 2 * GIB), (lo, GIB), t=t + 1.0)) == []
+    enforcer.close()

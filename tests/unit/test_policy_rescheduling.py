@@ -214,3 +214,16 @@ def test_static_split_keeps_a_big_job_out_of_memory_that_adaptive_would_give_it(
 
     assert run("demand") == [("release", "big", True)]  # its 5 GiB fit in the 5 free
     assert run("equal") == [("pause", "big", False)]  # more than half of the GPU: waits for the small one
+
+
+def test_static_split_shrinks_a_lone_holders_headroom_for_a_newcomer() -> None:
+    d = Driver(policy(DECLARED.replace("SPLIT", "equal")))
+    first, second = ident("first"), ident("second")
+    alone = d.step(snap(1.0, usage(first, 3 * GIB), total=8 * GIB, free=5 * GIB))
+    assert alone.effective_limits_bytes[first.key] == 8 * GIB  # alone: the whole GPU to grow into
+    asked = d.step(snap(2.0, usage(first, 3 * GIB), usage(second, 0), total=8 * GIB, free=5 * GIB),
+                   [stop(second, 1.9, GIB)])
+    assert moves(asked) == [("pause", "second", False)]
+    assert asked.effective_limits_bytes[first.key] == 4 * GIB  # its equal half, now that another asks
+    admitted = d.step(snap(3.0, usage(first, 3 * GIB), usage(second, 0), total=8 * GIB, free=5 * GIB))
+    assert moves(admitted) == [("release", "second", True)]
