@@ -25,9 +25,10 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   the memory nobody has been promised yet. Under `split: demand` requests are admitted in
   line until one does not fit; after it, later ones only backfill within their fair share
   (so a stream of small jobs cannot starve the one waiting). Under `split: equal` every
-  container stays within its equal part (the GPU / the containers holding or asking for
-  memory, counting itself). The rest wait: paused (frozen, and still stopped at the allocation), resumed in
-  the same order as memory frees; one waiting past `rescheduling.checkpoint_after` gets the
+  container stays within its equal part (the GPU / the containers holding memory, counting
+  itself; while others ask, holders are promised no more than the GPU / all of them). The
+  rest wait: paused (frozen, and still stopped at the allocation), resumed in the same order
+  as memory frees; one waiting past `rescheduling.checkpoint_after` gets the
   checkpoint signal;
 * allowances: what each running container may hold (held + what was admitted, plus its part
   of the headroom) -- the kernel stops an allocation beyond it, so the sum of allowances never
@@ -424,13 +425,13 @@ class _Round:
     def _shares(avail: int, seats: list[_Seat], split: FairShareSplit, prev: Mapping[str, int | None]
                 ) -> dict[str, int]:
         """Fair share per container. Equal (static) split: the GPU / the containers that hold
-        memory, were given some or ask for some, counting the one asking (so a GPU nobody
-        else uses or wants is all its)."""
+        memory or were given some, counting the one asking (so a GPU nobody else uses is all
+        its, and one of several that ask at once is always admitted)."""
         if not seats:
             return {}
         if split is FairShareSplit.EQUAL:
-            present = {s.key for s in seats if s.held > 0 or s.pending > 0 or (prev.get(s.key) or 0) > 0}
-            return {s.key: avail // max(len(present | {s.key}), 1) for s in seats}
+            holders = {s.key for s in seats if s.held > 0 or (prev.get(s.key) or 0) > 0}
+            return {s.key: avail // max(len(holders | {s.key}), 1) for s in seats}
         demands = [(s.key, s.demand, priority_weight(s.priority) * max(s.demand, 1)) for s in seats]
         shares = weighted_fair_share(avail, demands)
         return {s.key: shares.get(s.key, 0) for s in seats}
@@ -482,6 +483,10 @@ class _Round:
             elif self.policy.rescheduling.gate_new:
                 fresh.add(s.key)  # nothing allocated or admitted yet: its first allocation waits for admission
         if oversubscribed or any(s.key in self.waiting for s in seats):
+            if self.policy.fair_share.split is FairShareSplit.EQUAL:
+                # the equal part among all that hold or ask: a lone holder does not keep the GPU promised
+                asking = {s.key for s in seats if s.held > 0 or s.pending > 0 or s.key in self.waiting}
+                shares = {k: min(v, avail // max(len(asking | {k}), 1)) for k, v in shares.items()}
             target = {s.key: max(base[s.key], shares.get(s.key, 0)) for s in running}
         else:
             spare = max(avail - sum(s.demand for s in seats), 0)

@@ -227,3 +227,15 @@ def test_static_split_shrinks_a_lone_holders_headroom_for_a_newcomer() -> None:
     assert asked.effective_limits_bytes[first.key] == 4 * GIB  # its equal half, now that another asks
     admitted = d.step(snap(3.0, usage(first, 3 * GIB), usage(second, 0), total=8 * GIB, free=5 * GIB))
     assert moves(admitted) == [("release", "second", True)]
+
+
+def test_static_split_admits_one_of_several_that_ask_at_once() -> None:
+    d = Driver(policy(DECLARED.replace("SPLIT", "equal")))
+    jobs = [ident(f"j{i}") for i in range(4)]  # 4 x 3 GiB declared on 8 GiB: 2 GiB equal parts
+    d.step(snap(1.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB))
+    events = [stop(j, 1.5 + i / 10, GIB) for i, j in enumerate(jobs)]
+    result = d.step(snap(2.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB), events)
+    # nobody holds memory yet: the first ones in line are admitted while they fit (no livelock
+    # where every 3 GiB job waits for a 2 GiB equal part)
+    assert moves(result) == [("release", "j0", True), ("release", "j1", True),
+                             ("pause", "j2", False), ("pause", "j3", False)]
