@@ -173,7 +173,11 @@ def test_agent_of_another_simulated_node_never_thaws_or_takes_over(tmp_path: Pat
                 assert f"held frozen by another gpuwatch agent (pid {agent.pid}" in str(tried[0]["detail"])
                 stop_within(agent2, SIGTERM_BUDGET_S, other / "agent.log")
             assert is_frozen(n.trainer), "the other agent's SIGTERM thawed a pod the first one holds"
-            recovery = [r for r in read_audit(other / "audit.jsonl") if r["event"] == "recovery"]
+            # only the trainer's record: cgroups other tests of the run froze and still hold (a live
+            # owner) are left alone too, and are not this test's business
+            trainer_path = n.trainer.cgroup_path.rstrip("/")
+            recovery = [r for r in read_audit(other / "audit.jsonl") if r["event"] == "recovery"
+                        and str(r["target"]["cgroup_path"]).rstrip("/").endswith(trainer_path)]
             assert [(r["action"], r["result"]) for r in recovery] == [("leave", "skipped")], recovery
             assert f"a live gpuwatch agent holds it (pid {agent.pid}" in str(recovery[0]["reason"])
             stop_within(agent, SIGTERM_BUDGET_S, first / "agent.log")
