@@ -30,6 +30,7 @@ idle connections closed after `idle_timeout_s`. This module adds what waitress l
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -365,11 +366,16 @@ class BoundedServer:
                 dispatcher.close()
 
         if self._thread is not None and self._thread.is_alive():
-            server.trigger.pull_trigger(close_all)
+            try:
+                server.trigger.pull_trigger(close_all)
+            except OSError:  # the loop is already closing its channels (trigger gone): finish here
+                with contextlib.suppress(OSError):
+                    server.close()
             self._thread.join(5)
             self._thread = None
         else:
-            server.close()
+            with contextlib.suppress(OSError):
+                server.close()
         server.task_dispatcher.shutdown(timeout=5)
 
 

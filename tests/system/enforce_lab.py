@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.cgroupfs import detect_roots, process_cpu_seconds
 from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.sim.runc import RunningContainer
@@ -196,3 +197,10 @@ def wait_ready(container: RunningContainer, timeout_s: float = 15.0) -> RunningC
         time.sleep(0.05)
     assert container.running() and "ready" in container.logs(), container.logs()
     return container
+
+
+
+def audit_decisions(path: Path) -> list[dict[str, object]]:
+    """The audit log's decision records; start-up recovery records (which name whatever other
+    frozen cgroups are on this node at the time) are tested in test_agent_hardening.py."""
+    return [r for r in read_audit(path) if r.get("event") != "recovery"]

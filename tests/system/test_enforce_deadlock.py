@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.model import ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.enforce_lab import identity_of, wait_ready
+from tests.system.enforce_lab import audit_decisions, identity_of, wait_ready
 from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
@@ -39,6 +39,7 @@ rules:
     priority: 9
     match: {namespace: ml, pod: high-*}
 """
+
 
 
 @pytest.fixture
@@ -155,7 +156,7 @@ def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Pa
             assert high.running() and not any(stopped(pid) for pid in high.pids())
         finally:
             enforcer.close()
-    records = read_audit(tmp_path / "audit.jsonl")
+    records = audit_decisions(tmp_path / "audit.jsonl")
     assert [(r["action"], r["result"], r["scope"]) for r in records] == [
         ("checkpoint-then-kill", "started", "deadlock"),
         ("checkpoint-then-kill", "ok", "deadlock"),
@@ -214,7 +215,7 @@ def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp
             assert not frozen(low) and not any(stopped(pid) for pid in low.pids()) and low.running()
         finally:
             enforcer.close()
-    records = read_audit(tmp_path / "audit.jsonl")
+    records = audit_decisions(tmp_path / "audit.jsonl")
     assert [(r["action"], r["scope"]) for r in records] == [
         ("release", "deadlock"),
         ("pause", "fair_share"),

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.audit import read_audit
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+from tests.system.enforce_lab import audit_decisions
 from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.slow]
@@ -62,6 +62,7 @@ while time.monotonic() < deadline:
 enforcer.close()
 sampler.stop()
 """
+
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_over_limit_container_is_killed_through_the_real_pipeline(sim: simnode.S
             assert latency_ms < 1000 * (2 * interval_s + 0.5)
     finally:
         agent.wait(30)
-    (record,) = read_audit(tmp_path / "audit.jsonl")
+    (record,) = audit_decisions(tmp_path / "audit.jsonl")
     assert record["action"] == "kill" and record["result"] == "ok"
     assert record["target"]["namespace"] == "ml" and record["target"]["pod"] == "job-0"  # type: ignore[index]
     assert record["measured"]["memory_bytes"] == 768 * MIB  # type: ignore[index]

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.cgroupfs import CgroupTree
 from gpuwatch.enforce.control import cgroup_cpu_busy
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.enforce_lab import GIB, identity_of, snapshot, wait_ready
+from tests.system.enforce_lab import GIB, audit_decisions, identity_of, snapshot, wait_ready
 from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
@@ -40,6 +40,7 @@ rules:
     limits: {gpu_memory: 512MiB}
     actions: [{do: kill}]
 """
+
 
 
 @pytest.fixture
@@ -122,7 +123,7 @@ def test_pause_then_checkpoint_kill_on_runc_container(lab: ContainerLab, sim: si
         assert "checkpoint" in container.logs()
     finally:
         enforcer.close()
-    records = read_audit(tmp_path / "audit.jsonl")
+    records = audit_decisions(tmp_path / "audit.jsonl")
     assert [(r["action"], r["result"]) for r in records] == [
         ("pause", "ok"),
         ("checkpoint-then-kill", "started"),
