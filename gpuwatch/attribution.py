@@ -15,14 +15,32 @@ processes starting and exiting inside the container, and it never goes backwards
 rectangle rule uses the utilisation read *now* over the time since the previous sweep,
 because NVML's per-process utilisation describes the period that just ended. `dt` is
 clamped to [0, max_dt_s] so a clock jump or a long stall (e.g. the GPU backend was down)
-cannot add a burst of made-up seconds. Counters of containers not seen for
-`retention_s` are forgotten (their series are gone from the exporter long before).
+cannot add a burst of made-up seconds.
+
+Counters of keys that are no longer in the sweeps (a container between two GPU processes,
+or gone for good) are retired, not dropped: a container whose process restarts continues
+its counter. What retirement costs is bounded, whatever the churn (`CounterTable`):
+* per sweep, the work is proportional to the keys in this sweep and the last one (live
+  containers), not to the retired ones: a key the last sweep did not have is looked up in
+  each retired batch (a few dozen at most), the keys that left are added to a copy of the
+  newest batch (at most 256 keys), and older batches are shared with the previous state,
+  neither copied nor walked;
+* retired keys are kept as one float each, in batches of keys retired close together
+  (at most `retention_s` / 8 apart, at most 256 or `max_retired` / 8 of them); a whole
+  batch is dropped once its newest key is older than `retention_s`, and the oldest batches
+  once more than `max_retired` keys are retired. So a counter is kept at least
+  `retention_s` after its key was last seen unless `max_retired` newer keys were retired
+  since (at 50 container starts/s and the default 4,096: about 80 s), and at most
+  `retention_s` x 9/8.
+Their series are gone from the exporter from the first sweep without them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from types import MappingProxyType
 
 from gpuwatch.model import (
@@ -40,25 +58,148 @@ CounterKey = tuple[str, ...]
 """(container key, gpu uuid) for containers; (namespace, pod, pod uid) for pods; (namespace,)."""
 
 
-def _frozen(mapping: dict[CounterKey, tuple[float, float]]) -> Mapping[CounterKey, tuple[float, float]]:
-    return MappingProxyType(mapping)
+DEFAULT_RETENTION_S = 600.0
+DEFAULT_MAX_RETIRED = 4096
+_BATCHES = 8  # a retired batch spans at most retention / 8 ...
+_BATCH_KEYS = 256  # ... and holds at most this many keys (or max_retired / 8 if fewer): a sweep copies one
 
 
-def _empty() -> Mapping[CounterKey, tuple[float, float]]:
-    return _frozen({})
+@dataclass(frozen=True)
+class _Batch:
+    """Totals of keys retired close together: last seen between first_s and last_s."""
+
+    first_s: float
+    last_s: float
+    totals: Mapping[CounterKey, float]  # never changed once the batch is built
+
+
+class CounterTable(Mapping[CounterKey, tuple[float, float]]):
+    """Kernel-second counters: an immutable value, read as key -> (total, last seen s).
+
+    The keys of the last sweep are "live"; the others are retired into batches (module
+    docstring). `advance()` returns the next table and leaves this one as it was, sharing
+    the batches it did not change. The last-seen time of a retired key is its batch's
+    newest (the batch's resolution)."""
+
+    __slots__ = ("_live", "_retired", "_retired_count", "_seen_s")
+
+    def __init__(self, live: Mapping[CounterKey, float] | None = None, seen_s: float = 0.0,
+                 retired: tuple[_Batch, ...] = (), retired_count: int = 0) -> None:
+        self._live: Mapping[CounterKey, float] = MappingProxyType(dict(live or {}))
+        self._seen_s = seen_s
+        self._retired = retired
+        self._retired_count = retired_count
+
+    @classmethod
+    def _owning(cls, live: dict[CounterKey, float], seen_s: float, retired: tuple[_Batch, ...],
+                retired_count: int) -> CounterTable:
+        """A table over `live` without copying it (advance() hands over a dict nobody else holds)."""
+        table = cls.__new__(cls)
+        table._live = MappingProxyType(live)
+        table._seen_s = seen_s
+        table._retired = retired
+        table._retired_count = retired_count
+        return table
+
+    def __getitem__(self, key: CounterKey) -> tuple[float, float]:
+        total = self._live.get(key)
+        if total is not None:
+            return total, self._seen_s
+        for batch in reversed(self._retired):
+            total = batch.totals.get(key)
+            if total is not None:
+                return total, batch.last_s
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[CounterKey]:
+        yield from self._live
+        for batch in self._retired:
+            yield from batch.totals
+
+    def __len__(self) -> int:
+        return len(self._live) + self._retired_count
+
+    def __repr__(self) -> str:
+        return f"CounterTable(live={len(self._live)}, retired={self._retired_count} in {len(self._retired)} batches)"
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    @property
+    def retired_count(self) -> int:
+        return self._retired_count
+
+    @property
+    def retired_batches(self) -> int:
+        return len(self._retired)
+
+    def total(self, key: CounterKey) -> float:
+        """A live key's total (0.0 for a key that is not live)."""
+        return self._live.get(key, 0.0)
+
+    def advance(self, increments: Mapping[CounterKey, float], now_s: float, *,
+                retention_s: float = DEFAULT_RETENTION_S, max_retired: int = DEFAULT_MAX_RETIRED
+                ) -> CounterTable:
+        """The next table: `increments` are this sweep's keys (live from now on); the live
+        keys not among them are retired, last seen at this table's time."""
+        live = self._live
+        batches = list(self._retired)
+        count = self._retired_count
+        revived: dict[int, list[CounterKey]] = {}
+        new_live: dict[CounterKey, float] = {}
+        for key, increment in increments.items():
+            total = live.get(key)
+            if total is None:
+                total = 0.0
+                for i in range(len(batches) - 1, -1, -1):  # a key that was away: continue its counter
+                    found = batches[i].totals.get(key)
+                    if found is not None:
+                        total = found
+                        revived.setdefault(i, []).append(key)
+                        break
+            new_live[key] = total + increment
+        for i, keys in revived.items():
+            batch = batches[i]
+            totals = dict(batch.totals)
+            for key in keys:
+                del totals[key]
+            batches[i] = _Batch(batch.first_s, batch.last_s, MappingProxyType(totals))
+            count -= len(keys)
+        gone = {key: total for key, total in live.items() if key not in increments}
+        if gone and max_retired > 0:
+            if len(gone) > max_retired:
+                gone = dict(islice(gone.items(), max_retired))
+            count += len(gone)
+            seen_s = self._seen_s
+            newest = batches[-1] if batches else None
+            if (newest is not None and seen_s - newest.first_s < retention_s / _BATCHES
+                    and len(newest.totals) + len(gone) <= max(min(max_retired // _BATCHES, _BATCH_KEYS), 1)):
+                merged = dict(newest.totals)
+                merged.update(gone)
+                batches[-1] = _Batch(newest.first_s, max(newest.last_s, seen_s), MappingProxyType(merged))
+            else:
+                batches.append(_Batch(seen_s, seen_s, MappingProxyType(gone)))
+        # Expire oldest first, whole batches: O(batches) per sweep, the entries freed once.
+        drop = 0
+        while drop < len(batches) and (count > max_retired or now_s - batches[drop].last_s > retention_s):
+            count -= len(batches[drop].totals)
+            drop += 1
+        kept = tuple(batch for batch in batches[drop:] if batch.totals)
+        return CounterTable._owning(new_live, now_s, kept, count)
 
 
 @dataclass(frozen=True)
 class AttributionState:
     """What attribution remembers between sweeps: an immutable value, passed in and returned.
 
-    Each counter maps a key to (kernel_seconds_total, last_seen_timestamp_s).
+    Each table maps a key to (kernel_seconds_total, last_seen_timestamp_s).
     """
 
     last_timestamp_s: float | None = None
-    containers: Mapping[CounterKey, tuple[float, float]] = field(default_factory=_empty)
-    pods: Mapping[CounterKey, tuple[float, float]] = field(default_factory=_empty)
-    namespaces: Mapping[CounterKey, tuple[float, float]] = field(default_factory=_empty)
+    containers: CounterTable = field(default_factory=CounterTable)
+    pods: CounterTable = field(default_factory=CounterTable)
+    namespaces: CounterTable = field(default_factory=CounterTable)
 
 
 @dataclass(frozen=True)
@@ -92,21 +233,9 @@ class _GroupAcc:
     containers: set[str] = field(default_factory=set)
 
 
-def _advance(previous: Mapping[CounterKey, tuple[float, float]], increments: Mapping[CounterKey, float],
-             now_s: float, retention_s: float) -> dict[CounterKey, tuple[float, float]]:
-    """Add increments to counters; keep unseen counters until they are `retention_s` old."""
-    updated: dict[CounterKey, tuple[float, float]] = {}
-    for key, (total, seen_s) in previous.items():
-        if key not in increments and now_s - seen_s <= retention_s:
-            updated[key] = (total, seen_s)
-    for key, increment in increments.items():
-        total = previous[key][0] if key in previous else 0.0
-        updated[key] = (total + increment, now_s)
-    return updated
-
-
 def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state: AttributionState,
-              node: str, *, max_dt_s: float = 10.0, retention_s: float = 600.0) -> AttributionResult:
+              node: str, *, max_dt_s: float = 10.0, retention_s: float = DEFAULT_RETENTION_S,
+              max_retired: int = DEFAULT_MAX_RETIRED) -> AttributionResult:
     """Attribute one sweep to containers, pods and namespaces; return usages and next state.
 
     `node` names the node the sweep came from (kept for callers that attribute several
@@ -124,12 +253,13 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
         acc.sm_utilization = min(acc.sm_utilization, 1.0)
         increments[key] = acc.sm_utilization * dt_s
         usages_by_key[key] = acc
-    container_counters = _advance(state.containers, increments, now_s, retention_s)
+    container_counters = state.containers.advance(increments, now_s, retention_s=retention_s,
+                                                  max_retired=max_retired)
 
     containers = tuple(
         ContainerUsage(identity=acc.identity, gpu_index=acc.gpu_index, gpu_uuid=acc.gpu_uuid,
                        memory_bytes=acc.memory_bytes, sm_utilization_ratio=acc.sm_utilization,
-                       kernel_seconds_total=container_counters[key][0],
+                       kernel_seconds_total=container_counters.total(key),
                        processes=tuple(sorted(acc.processes, key=lambda p: p.pid)))
         for key, acc in sorted(usages_by_key.items(), key=lambda kv: _order(kv[1]))
     )
@@ -144,16 +274,17 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
                  increments[key])
         if ident.pod_namespace:
             _add(ns_groups, (ident.pod_namespace,), ident.pod_namespace, "", "", acc, increments[key])
-    pod_counters = _advance(state.pods, {k: g.increment_s for k, g in pod_groups.items()}, now_s, retention_s)
-    ns_counters = _advance(state.namespaces, {k: g.increment_s for k, g in ns_groups.items()},
-                           now_s, retention_s)
+    pod_counters = state.pods.advance({k: g.increment_s for k, g in pod_groups.items()}, now_s,
+                                      retention_s=retention_s, max_retired=max_retired)
+    ns_counters = state.namespaces.advance({k: g.increment_s for k, g in ns_groups.items()}, now_s,
+                                           retention_s=retention_s, max_retired=max_retired)
 
     return AttributionResult(
         containers=containers,
         pods=_groups(pod_groups, pod_counters),
         namespaces=_groups(ns_groups, ns_counters),
-        state=AttributionState(last_timestamp_s=now_s, containers=_frozen(container_counters),
-                               pods=_frozen(pod_counters), namespaces=_frozen(ns_counters)),
+        state=AttributionState(last_timestamp_s=now_s, containers=container_counters, pods=pod_counters,
+                               namespaces=ns_counters),
     )
 
 
@@ -166,6 +297,8 @@ def _accumulate(processes: Iterable[GpuProcess], identities: Mapping[int, Proces
         key = (identity.key, proc.gpu_uuid)
         acc = accs.get(key)
         if acc is None:
+            # one string per GPU in the counters, not one per counter (a sweep's strings are new)
+            key = (identity.key, sys.intern(proc.gpu_uuid))
             acc = accs[key] = _Acc(identity=identity, gpu_index=proc.gpu_index, gpu_uuid=proc.gpu_uuid)
         if proc.memory_bytes is not None:
             acc.memory_bytes += proc.memory_bytes
@@ -192,12 +325,11 @@ def _add(groups: dict[CounterKey, _GroupAcc], key: CounterKey, namespace: str, p
     group.containers.add(acc.identity.key)
 
 
-def _groups(groups: Mapping[CounterKey, _GroupAcc], counters: Mapping[CounterKey, tuple[float, float]]
-            ) -> tuple[GroupUsage, ...]:
+def _groups(groups: Mapping[CounterKey, _GroupAcc], counters: CounterTable) -> tuple[GroupUsage, ...]:
     """Rollups. sm_utilization_ratio is summed over GPUs: 2.0 = two GPUs' worth of SM time."""
     return tuple(
         GroupUsage(namespace=g.namespace, pod=g.pod, pod_uid=g.pod_uid, memory_bytes=g.memory_bytes,
-                   sm_utilization_ratio=g.sm_utilization, kernel_seconds_total=counters[key][0],
+                   sm_utilization_ratio=g.sm_utilization, kernel_seconds_total=counters.total(key),
                    containers=len(g.containers))
         for key, g in sorted(groups.items())
     )

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from gpuwatch.attribution import AttributionState, attribute
+from gpuwatch.attribution import DEFAULT_MAX_RETIRED, AttributionState, attribute
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.gpu.backend import GpuBackend
 from gpuwatch.model import (
@@ -89,10 +89,11 @@ class Sampler:
     def __init__(self, backend_factory: Callable[[], GpuBackend], resolver: IdentitySource, node: str,
                  interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  probe_source: ProbeSource | None = None, *, max_backoff_s: float = 30.0,
-                 signal_source: SignalSource | None = None, progress_source: ProgressSource | None = None
-                 ) -> None:
+                 signal_source: SignalSource | None = None, progress_source: ProgressSource | None = None,
+                 max_retired_counters: int = DEFAULT_MAX_RETIRED) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
+        self.max_retired_counters = max_retired_counters  # gone containers' counters kept (attribution.py)
         self._factory = backend_factory
         self._resolver = resolver
         self.node = node
@@ -239,7 +240,7 @@ class Sampler:
             if previous is not None:
                 identities[pid] = previous
         self._identities = identities
-        result = attribute(sweep, identities, self._state, self.node)
+        result = attribute(sweep, identities, self._state, self.node, max_retired=self.max_retired_counters)
         self._state = result.state
         probe_identities = self._probe_identities(counters)
         containers = _merge_probes(result.containers, counters, probe_identities)

@@ -10,6 +10,10 @@ Three caches, each validated cheaply:
   `begin_sweep` when the cgroup directory is gone.
 * per container id: metadata from the runtime's files (metadata.py), dropped when no cached
   cgroup refers to the container any more; a miss is retried every `metadata_retry_s`.
+All three hold live containers only (and pids asked about in the last `idle_sweeps`
+sweeps), so container churn does not grow them. Paths are parsed with the uncached parser:
+the path cache above is the cache (parse_cgroup_path's own would keep up to 8,192 gone
+containers' paths and identities, ~7 MB, long after they left).
 Zombies (exited, not yet reaped) count as gone. Nothing is ever dropped from the output:
 unknown cgroups are runtime "unknown" with the raw path.
 """
@@ -39,6 +43,8 @@ from gpuwatch.containers.procfs import (
     read_text,
 )
 from gpuwatch.model import ContainerIdentity, ProcessIdentity
+
+_parse_path = parse_cgroup_path.__wrapped__  # uncached (module docstring)
 
 
 @dataclass
@@ -223,9 +229,11 @@ class IdentityResolver:
         self._paths[path] = entry
         return entry
 
-    def _build_identity(self, path: str, cgroup_id: int | None) -> tuple[ContainerIdentity, bool]:
-        """(identity, metadata still missing) for a path: parse, then enrich from bundles."""
-        base = parse_cgroup_path(path)
+    def _build_identity(self, path: str, cgroup_id: int | None, parsed: ContainerIdentity | None = None
+                        ) -> tuple[ContainerIdentity, bool]:
+        """(identity, metadata still missing) for a path: parse (unless `parsed` is the path's
+        identity without metadata already), then enrich from bundles."""
+        base = parsed if parsed is not None else _parse_path(path)
         if base.cgroup_path != path:  # the host identity is shared; give it this path's id
             base = replace(base, cgroup_path=path)
         if cgroup_id is not None:
@@ -290,8 +298,8 @@ class IdentityResolver:
                 if cgroup_id is not None:
                     entry.fs_dir = cgroup_dir(self.mounts.unified, path)
                     entry.identity = replace(entry.identity, cgroup_id=cgroup_id)
-            if entry.meta_pending:
-                identity, pending = self._build_identity(path, cgroup_id)
+            if entry.meta_pending:  # its identity is still the parsed path's: no need to parse again
+                identity, pending = self._build_identity(path, cgroup_id, entry.identity)
                 entry.identity, entry.meta_pending = identity, pending
             keep[path] = entry
         kept = {id(e) for e in keep.values()}

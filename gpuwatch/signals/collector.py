@@ -12,7 +12,10 @@ source reads /proc or NVML a second time. Per cycle:
   `nic_exclude`), RDMA ports and the network namespaces of the containers that use a GPU
   (one pid each).
 Per-container Xid counters are kept while their container is seen and for
-`xid_retention_s` after, at most `max_xid_series` of them (oldest dropped first).
+`xid_retention_s` after, at most `max_xid_series` of them (gone containers' first, oldest
+first). A cycle touches only the counters of the containers in it; the others are expired
+in one pass every `xid_retention_s` / 8, and the exported list is rebuilt only when a
+counter changed or was dropped.
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ class NetworkSource(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class _XidCount:
+@dataclass(slots=True)
+class _ContainerXids:
     identity: ContainerIdentity
-    count: int
+    counts: dict[tuple[int, int], int]  # (gpu index, xid) -> count
     seen_s: float  # last time its container was seen or an Xid counted
 
 
@@ -83,7 +86,10 @@ class SignalCollector:
         self._max_xid_series = max_xid_series
         self._clock = clock
         self._nic_exclude = re.compile(nic_exclude) if nic_exclude else None
-        self._xids: dict[tuple[str, int, int], _XidCount] = {}  # (container key, gpu index, xid)
+        self._xids: dict[str, _ContainerXids] = {}  # container key -> its counters
+        self._xid_series = 0  # (container, gpu, xid) counters in _xids
+        self._xid_view: tuple[ContainerXid, ...] | None = ()  # None: rebuild
+        self._xid_expire_at_s: float | None = None
         self._previous_identities: Mapping[int, ProcessIdentity] = {}
         self._topology: GpuTopology | None = None
         self.xid_unattributed_total = 0
@@ -119,8 +125,7 @@ class SignalCollector:
             networks = self.network.read_containers(_network_targets(containers))
         return NodeSignals(
             health=health, topology=self._topology, nics=nics, rdma_ports=rdma,
-            container_xids=tuple(ContainerXid(identity=entry.identity, gpu_index=gpu, xid=xid, count=entry.count)
-                                 for (_, gpu, xid), entry in self._xids.items()),
+            container_xids=self._xid_list(),
             container_network=networks, errors_total=self._errors(),
             kmsg_malformed_total=self.kmsg.malformed_total if self.kmsg is not None else 0,
         )
@@ -149,29 +154,59 @@ class SignalCollector:
             if process is None:
                 self.xid_unattributed_total += 1
                 continue
-            key = (process.identity.key, gpu, record.xid)
+            key = process.identity.key
             entry = self._xids.get(key)
             if entry is None:
-                self._xids[key] = _XidCount(process.identity, 1, now_s)
-            else:
-                entry.count += 1
-                entry.seen_s = now_s
+                entry = self._xids[key] = _ContainerXids(process.identity, {}, now_s)
+            series = (gpu, record.xid)
+            if series not in entry.counts:
+                self._xid_series += 1
+            entry.counts[series] = entry.counts.get(series, 0) + 1
+            entry.seen_s = now_s
+            self._xid_view = None
         return found
 
     def _expire_xids(self, containers: Sequence[ContainerUsage], now_s: float) -> None:
         if not self._xids:
             return
-        present = {c.identity.key for c in containers}
-        for key, entry in list(self._xids.items()):
-            if key[0] in present:
+        xids = self._xids
+        present: set[str] = set()
+        for usage in containers:  # O(live): only the containers of this cycle are touched
+            entry = xids.get(usage.identity.key)
+            if entry is not None:
                 entry.seen_s = now_s
-            elif now_s - entry.seen_s > self._xid_retention_s:
-                del self._xids[key]
-        if len(self._xids) > self._max_xid_series:
-            # gone containers first, oldest first
-            by_age = sorted(self._xids, key=lambda k: (k[0] in present, self._xids[k].seen_s))
-            for key in by_age[: len(self._xids) - self._max_xid_series]:
-                del self._xids[key]
+                present.add(usage.identity.key)
+        retention = self._xid_retention_s
+        due = self._xid_expire_at_s
+        if due is None or now_s >= due or now_s < due - retention:
+            self._xid_expire_at_s = now_s + max(retention / 8, 1.0)
+            kept = {key: e for key, e in xids.items() if now_s - e.seen_s <= retention}
+            if len(kept) < len(xids):
+                self._xids = kept
+                self._xid_series = sum(len(e.counts) for e in kept.values())
+                self._xid_view = None
+        if self._xid_series > self._max_xid_series:
+            # gone containers first, oldest first; a container's series go together (the last partly)
+            excess = self._xid_series - self._max_xid_series
+            for key in sorted(self._xids, key=lambda k: (k in present, self._xids[k].seen_s)):
+                counts = self._xids[key].counts
+                if len(counts) <= excess:
+                    excess -= len(counts)
+                    del self._xids[key]
+                else:
+                    for series in list(counts)[:excess]:
+                        del counts[series]
+                    excess = 0
+                if excess == 0:
+                    break
+            self._xid_series = self._max_xid_series
+            self._xid_view = None
+
+    def _xid_list(self) -> tuple[ContainerXid, ...]:
+        if self._xid_view is None:
+            self._xid_view = tuple(ContainerXid(identity=e.identity, gpu_index=gpu, xid=xid, count=count)
+                                   for e in self._xids.values() for (gpu, xid), count in e.counts.items())
+        return self._xid_view
 
     def _errors(self) -> tuple[tuple[str, int], ...]:
         errors: list[tuple[str, int]] = []

@@ -44,9 +44,12 @@ import math
 import os
 import stat
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
+from typing import NamedTuple
 
 from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage
 
@@ -310,7 +313,7 @@ def read_progress_file(proc_root: str, pid: int, path: str, max_bytes: int = MAX
 # ---- the tracker: the source the sampler calls ----------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Track:
     identity: ContainerIdentity
     request: ProgressRequest
@@ -324,6 +327,35 @@ class _Track:
     last_error: str = ""
     seen_s: float = 0.0
 
+    def away(self) -> _Away:
+        """The compact record kept while the container is not in the snapshot."""
+        return _Away(self.request, array("d", chain.from_iterable(self.samples)), self.value, self.updated_s,
+                     self.first, self.newline, self.reads, tuple(self.errors.items()), self.last_error,
+                     self.seen_s)
+
+
+class _Away(NamedTuple):
+    """A track whose container is not in the snapshot: one tuple, samples as packed doubles
+    (t, value, kernel s, t, ...) -- no identity (the returning container brings its own)."""
+
+    request: ProgressRequest
+    samples: array[float]
+    value: float | None
+    updated_s: float | None
+    first: tuple[float, float] | None
+    newline: bool
+    reads: int
+    errors: tuple[tuple[str, int], ...]
+    last_error: str
+    seen_s: float
+
+    def back(self, identity: ContainerIdentity) -> _Track:
+        flat = iter(self.samples)
+        samples = deque(zip(flat, flat, flat, strict=False))  # the same iterator thrice: triples
+        return _Track(identity, self.request, samples, self.value, self.updated_s,
+                      self.first, self.newline, self.reads, Counter(dict(self.errors)), self.last_error,
+                      self.seen_s)
+
 
 class ProgressTracker:
     """Reads every declared progress file once per interval and keeps the recent history.
@@ -332,11 +364,14 @@ class ProgressTracker:
     containers without a gpuwatch.io/progress-file label are skipped at no cost; the others
     are read through one of their GPU processes. History is kept per container key while
     the container is seen and `retention_s` after (a container that is briefly without GPU
-    processes keeps its samples), for at most `max_containers` containers."""
+    processes keeps its samples). A container that leaves the snapshot is packed into one
+    tuple; at most `max_gone` of those are kept (oldest dropped first), and they are expired
+    in batches every `retention_s` / 8, so a cycle costs what the containers in the snapshot
+    cost, however many came and went."""
 
     def __init__(self, proc_root: str = "/proc", *, window_s: float = 30.0, retention_s: float = 600.0,
                  max_bytes: int = MAX_PROGRESS_BYTES, min_kernel_seconds: float = 0.05,
-                 max_containers: int = 4096, resolver: str = "auto",
+                 max_gone: int = 1024, resolver: str = "auto",
                  clock: Callable[[], float] = time.monotonic) -> None:
         if window_s <= 0:
             raise ValueError("window_s must be positive")
@@ -345,29 +380,48 @@ class ProgressTracker:
         self.retention_s = retention_s
         self.max_bytes = max_bytes
         self.min_kernel_seconds = min_kernel_seconds
-        self.max_containers = max_containers
+        self.max_gone = max_gone
         self.resolver = resolver
         self._clock = clock
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, _Track] = {}  # containers in the last snapshot
+        self._gone: dict[str, _Away] = {}  # the others, in the order they left
+        self._expire_at_s: float | None = None
 
     def collect(self, containers: Sequence[ContainerUsage], now_s: float | None = None
                 ) -> tuple[ContainerProgress, ...]:
         now = self._clock() if now_s is None else now_s
         out: list[ContainerProgress] = []
+        tracks: dict[str, _Track] = {}
         for identity, pids, kernel_s in _group(containers):
             request = progress_request_of(identity)
             if request is None:
                 continue
-            track = self._tracks.get(identity.key)
+            key = identity.key
+            track = self._tracks.get(key)
+            if track is None:
+                away = self._gone.pop(key, None)
+                if away is not None and now - away.seen_s <= self.retention_s:
+                    track = away.back(identity)
             if track is None or track.request != request:
                 track = _Track(identity, request)
-                self._tracks[identity.key] = track
             track.identity = identity
             track.seen_s = now
+            tracks[key] = track
             self._read(track, pids, kernel_s, now)
             out.append(self._report(track, kernel_s))
-        self._expire(now)
+        for key, track in self._tracks.items():  # the last snapshot's containers: O(live)
+            if key not in tracks:
+                self._gone[key] = track.away()
+        self._tracks = tracks
+        if len(self._gone) > self.max_gone:
+            self._drop_oldest(len(self._gone) - self.max_gone + self.max_gone // 8)
+        if self._expire_at_s is None or now >= self._expire_at_s or now < self._expire_at_s - self.retention_s:
+            self._expire(now)
         return tuple(out)
+
+    def sizes(self) -> dict[str, int]:
+        """Containers with a history: in the snapshot, and away (for tests and benchmarks)."""
+        return {"live": len(self._tracks), "gone": len(self._gone)}
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -434,12 +488,14 @@ class ProgressTracker:
         )
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, t in self._tracks.items() if now - t.seen_s > self.retention_s]:
-            del self._tracks[key]
-        if len(self._tracks) > self.max_containers:
-            oldest = sorted(self._tracks, key=lambda k: self._tracks[k].seen_s)
-            for key in oldest[: len(self._tracks) - self.max_containers]:
-                del self._tracks[key]
+        """Forget what left more than retention_s ago: one pass every retention_s / 8."""
+        self._expire_at_s = now + max(self.retention_s / 8, 1.0)
+        limit = now - self.retention_s
+        if any(away.seen_s < limit for away in islice(self._gone.values(), 1)):
+            self._gone = {key: away for key, away in self._gone.items() if away.seen_s >= limit}
+
+    def _drop_oldest(self, count: int) -> None:
+        self._gone = dict(islice(self._gone.items(), count, None))
 
 
 def _group(containers: Iterable[ContainerUsage]) -> list[tuple[ContainerIdentity, list[int], float]]:
