@@ -154,6 +154,8 @@ class _Server(TcpWSGIServer):
         self._writing: dict[Any, float] = {}  # channel -> first seen with unsent output
         self._last_full_log = 0.0
         self._next_cleanup = 0.0
+        self._trigger_lock = threading.Lock()
+        self._closing = False
         adj = Adjustments(sockets=[sock], threads=limits.threads, backlog=limits.backlog,
                           connection_limit=limits.connection_limit,  # checked by readable() below
                           channel_timeout=limits.idle_timeout_s, cleanup_interval=1,
@@ -167,6 +169,22 @@ class _Server(TcpWSGIServer):
         dispatcher.set_thread_count(limits.threads)
         super().__init__(app, {}, True, sock, dispatcher=dispatcher, adj=adj, bind_socket=False,
                          sockinfo=(sock.family, sock.type, sock.proto, sock.getsockname()))
+
+    # -- shutdown --------------------------------------------------------------------------
+    def pull_trigger(self) -> None:
+        """Wake the event loop from a worker thread, unless the server is closing.
+
+        A worker that finishes a request while stop() tears the loop down would otherwise
+        write to the trigger pipe after it is closed: EBADF (a traceback in the log), or worse
+        a byte written into whatever file reused that descriptor number."""
+        with self._trigger_lock:
+            if not self._closing:
+                super().pull_trigger()
+
+    def begin_close(self) -> None:
+        """From now on workers no longer wake the loop; the trigger can be closed safely."""
+        with self._trigger_lock:
+            self._closing = True
 
     # -- deadlines -------------------------------------------------------------------------
     def maintenance(self, now: float) -> None:
@@ -367,6 +385,7 @@ class BoundedServer:
 
         if self._thread is not None and self._thread.is_alive():
             try:
+                server.begin_close()
                 server.trigger.pull_trigger(close_all)
             except OSError:  # the loop is already closing its channels (trigger gone): finish here
                 with contextlib.suppress(OSError):
@@ -374,6 +393,7 @@ class BoundedServer:
             self._thread.join(5)
             self._thread = None
         else:
+            server.begin_close()
             with contextlib.suppress(OSError):
                 server.close()
         server.task_dispatcher.shutdown(timeout=5)

@@ -269,6 +269,39 @@ def test_stop_closes_keep_alive_connections_releases_the_port_and_is_idempotent(
             busy.stop()
 
 
+def test_a_request_that_finishes_while_the_server_stops_logs_no_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that finishes after stop() closed the event loop must not wake the loop through
+    its closed trigger pipe (CI once logged EBADF from waitress here; with a reused descriptor
+    it would write a byte into some other file)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        entered.set()
+        release.wait(10)
+        start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "2")])
+        return [b"ok"]
+
+    server = BoundedServer(slow, "127.0.0.1", 0, name="test")
+    server.start()
+    client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert entered.wait(5)
+    trigger = server.server.trigger
+    caplog.set_level(logging.ERROR, logger="waitress")
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    assert wait_for(lambda: trigger._closed, 5), "stop() did not close the event loop"
+    # the race CI hit: a worker that saw its channel still connected wakes the loop after
+    # the loop closed the trigger; what it calls must be a no-op now, not a write to a dead fd
+    server.server.pull_trigger()
+    release.set()
+    stopper.join(10)
+    client.close()
+    assert not stopper.is_alive()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_log_filter_lets_one_line_per_template_per_interval() -> None:
     gate = _OncePerInterval(60)
     records = [logging.LogRecord("waitress.queue", logging.WARNING, __file__, 1, "Task queue depth is %d", (n,), None)
