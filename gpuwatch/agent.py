@@ -17,9 +17,13 @@ import socket
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.errors import GpuwatchError, ProbesUnavailable
+
+if TYPE_CHECKING:  # the probes meet the enforcer's protocol here, where the agent wires them
+    from gpuwatch.enforce.kernel_limits import KernelProbes
+    from gpuwatch.probes.manager import ProbeManager
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -53,7 +57,7 @@ class AgentConfig:
     network_exclude: str | None = None  # NIC name regex left out; None: DEFAULT_NIC_EXCLUDE
 
 
-def _start_probes(config: AgentConfig, stack: ExitStack) -> Any | None:
+def _start_probes(config: AgentConfig, stack: ExitStack) -> ProbeManager | None:
     """Start BPF probes, or say exactly what is off and carry on with NVML alone."""
     if config.probes is False:
         log.info("probes disabled (--no-probes): per-container ioctl/allocation counts are off")
@@ -129,7 +133,7 @@ class _NfdFeatures:
         return [writes, errors]
 
 
-def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: Any,
+def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes: KernelProbes | None,
                     policy_load: Any, stop: threading.Event) -> Any | None:
     if policy_load is None or not config.policy_path:
         log.info("no --policy: enforcement is off (metrics only)")

@@ -9,6 +9,7 @@ from typing import Any
 from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH
+from gpuwatch.enforce.kernel_limits import KernelLimitTable, KernelProbes
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate
 from gpuwatch.enforce.policy_reload import PolicyLoad
 from gpuwatch.enforce.sharing import NodeContainers
@@ -19,12 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class ProbeLimitMap:
-    """LimitMap over the probes manager's BPF limit map (set_limit/clear_limit).
+    """LimitMap over the probes' BPF limit map (kernel_limits.KernelLimitTable).
 
     The enforcer picks the kernel action per container from its rule (see
     limitmap.kernel_action); `action`, when given, overrides it for every container."""
 
-    def __init__(self, probes: Any, action: str | None = None) -> None:
+    def __init__(self, probes: KernelLimitTable, action: str | None = None) -> None:
         self.probes = probes
         self.action = action
 
@@ -35,17 +36,18 @@ class ProbeLimitMap:
         self.probes.clear_limit(cgroup_id)
 
 
-def build_device_gate(probes: Any, dry_run: bool = False) -> DeviceGate:
+def build_device_gate(probes: KernelProbes | None, dry_run: bool = False) -> DeviceGate:
     """The cgroup device program (BpfDeviceGate, same device prefix and cgroup v2 mount as the
     probes) when the probes run, else NullDeviceGate; says what is off and why."""
-    config = getattr(probes, "config", None)
-    if config is None:
+    if probes is None:
         log.info("device isolation off: no BPF probes (policy `limits.devices` and pods' "
                  "`gpuwatch.io/sharing: exclusive` are reported, not enforced)")
         return NullDeviceGate()
     if dry_run:
         return NullDeviceGate()  # a dry run acts on nothing: no program to load
     from gpuwatch.probes.devicegate import BpfDeviceGate
+
+    config = probes.config
 
     gate = BpfDeviceGate(device_prefix=config.device_prefix, cgroup_root=config.cgroup_root)
     try:
@@ -109,7 +111,7 @@ def build_enforcer(
     audit_log: str | Path,
     dry_run: bool = False,
     limit_map: LimitMap | None = None,
-    probes: Any = None,
+    probes: KernelProbes | None = None,
     frozen_state_path: str | Path = DEFAULT_STATE_PATH,
     kernel_limit_action: str | None = None,
     device_gate: DeviceGate | None = None,
@@ -126,7 +128,7 @@ def build_enforcer(
     `node_containers` is given. Raises PolicyError for a bad policy. `initial_policy`,
     `recover`, `lock_path`: see Enforcer (the agent reads the policy in a worker and
     reconciles the node under its lock before it builds the enforcer)."""
-    if limit_map is None and probes is not None and hasattr(probes, "set_limit"):
+    if limit_map is None and probes is not None:
         limit_map = ProbeLimitMap(probes, kernel_limit_action)
     gate = device_gate if device_gate is not None else build_device_gate(probes, dry_run)
     if node_containers is None:
