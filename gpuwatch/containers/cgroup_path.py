@@ -29,11 +29,17 @@ PODMAN = "podman"
 RUNC = "runc"
 KUBEPODS = "kubepods"  # container under a kubepods pod dir with a bare id: runtime not in the path
 SYSTEMD = "systemd"
+ECS = "ecs"  # AWS ECS on Fargate: container ids are <32-hex task id>-<digits>
+GARDEN = "garden"  # Cloud Foundry Garden: 8-4-4-4(-4) hex ids under garden.service
 HOST = "host"
 UNKNOWN = "unknown"
 
 _HEX64 = r"[0-9a-f]{64}"
 _BARE_ID = re.compile(rf"^({_HEX64})$")
+_BARE_SCOPE = re.compile(rf"^(?P<id>{_HEX64})\.scope$")  # docker with the systemd driver nested: /docker/<id>.scope
+_FARGATE_ID = re.compile(r"^[0-9a-f]{32}-[0-9]+$")
+_GARDEN_ID = re.compile(r"^[0-9a-f]{8}(?:-[0-9a-f]{4}){3,4}$")
+_SESSION_SCOPE = re.compile(r"^(?:session-[0-9a-z]+|.*-spawn-.+|vte-spawn-.+)\.scope$")
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ _POD_SLICE = re.compile(
 _POD_DIR = re.compile(r"^pod(?P<uid>[0-9a-fA-F-]{8,})$")
 _QOS_DIRS = {"burstable", "besteffort"}
 _CONTAINERD_NAMESPACE_DIRS = {"default", "k8s.io", "moby", "containerd", "buildkit"}
-_UNIT = re.compile(r"^(?P<name>.+)\.(?P<kind>service|scope|slice)$")
+_UNIT = re.compile(r"^(?P<name>.+)\.(?P<kind>service|scope|slice|mount)$")
 
 
 def normalize_pod_uid(uid: str) -> str:
@@ -104,9 +110,25 @@ def split_components(path: str) -> list[str]:
     return out
 
 
+def _under_docker(comps: list[str], i: int) -> bool:
+    """Component i sits in a chain of docker container cgroups: /docker/<id>[/<id>...]."""
+    j = i - 1
+    while j >= 0 and _BARE_ID.match(comps[j]):
+        j -= 1
+    return j >= 0 and comps[j] == "docker"
+
+
 def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
     """(runtime, container id, role) if component i names a container."""
     comp = comps[i]
+    parent = comps[i - 1] if i > 0 else ""
+    if "ecs" in comps[:i] and _FARGATE_ID.match(comp):
+        return ECS, comp, "container"  # Fargate: /ecs/<task id>/<task id>-<digits>
+    if parent == "garden" and _GARDEN_ID.match(comp):
+        return GARDEN, comp, "container"  # /system.slice/garden.service/garden/<8-4-4-4-4>
+    m = _BARE_SCOPE.match(comp)
+    if m and parent == "docker":
+        return DOCKER, m.group("id"), "container"
     if ":" in comp:
         prefix, _, cid = comp.partition(":")
         if prefix in _COLON_RUNTIME and _BARE_ID.match(cid):
@@ -117,9 +139,8 @@ def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
             if m:
                 return rule.runtime, m.group("id"), rule.role
     if _BARE_ID.match(comp):
-        parent = comps[i - 1] if i > 0 else ""
-        if parent == "docker":
-            return DOCKER, comp, "container"  # docker, cgroupfs driver: /docker/<id>
+        if _under_docker(comps, i):
+            return DOCKER, comp, "container"  # docker, cgroupfs driver: /docker/<id>, dind /docker/<outer>/<inner>
         if _POD_DIR.match(parent) or _POD_SLICE.match(parent):
             return KUBEPODS, comp, "container"  # kubelet cgroupfs: /kubepods/<qos>/pod<uid>/<id>
         if parent in _CONTAINERD_NAMESPACE_DIRS:
@@ -139,11 +160,22 @@ def _match_pod(comps: list[str], i: int) -> tuple[str, str] | None:
     if m:
         return normalize_pod_uid(m.group("uid")), m.group("qos") or "guaranteed"
     m = _POD_DIR.match(comp)
-    if m and any(c == "kubepods" or c.startswith("kubepods") for c in comps[:i]):
-        parent = comps[i - 1] if i > 0 else ""
+    parent = comps[i - 1] if i > 0 else ""
+    # below kubepods, or a cgroup namespace cut the upper levels off (/../burstable/pod<uid>)
+    truncated = parent in _QOS_DIRS or (bool(comps[:i]) and all(c == ".." for c in comps[:i]))
+    if m and (truncated or any(c.startswith("kubepods") for c in comps[:i])):
         qos = parent if parent in _QOS_DIRS else "guaranteed"
         return normalize_pod_uid(m.group("uid")), qos
     return None
+
+
+def _is_user_session(comps: list[str]) -> bool:
+    """A login session, a user's systemd instance or a terminal's scope: someone's host
+    processes (user.slice/..., session-14.scope, .../vte-spawn-<uuid>.scope), not a service."""
+    top = next((c for c in comps if c != ".."), "")
+    if top == "user.slice" or (top.startswith("user-") and top.endswith(".slice")):
+        return True
+    return any(_SESSION_SCOPE.match(c) or c.startswith("user@") for c in comps)
 
 
 def normalize_path(path: str) -> str:
@@ -183,7 +215,14 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
     if container is not None:
         runtime, cid, role = container
         pod_uid, qos = pod if pod is not None else ("", "")
-        labels: tuple[tuple[str, str], ...] = (("role", role),) if role != "container" else ()
+        if role != "container":
+            # the runtime's helper (conmon) watches the container but is not it: it must not
+            # carry the container's id (its usage is the pod's, or the runtime's)
+            return ContainerIdentity(runtime=runtime, cgroup_path=path, pod_uid=pod_uid, qos_class=qos,
+                                     labels=(("role", role),))
+        labels: tuple[tuple[str, str], ...] = ()
+        if runtime == ECS and container_at > 0:
+            labels = (("ecs_task", comps[container_at - 1]),)
         return ContainerIdentity(
             runtime=runtime,
             cgroup_path=path,
@@ -192,6 +231,8 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
             qos_class=qos,
             labels=labels,
         )
+    if _is_user_session(comps):
+        return ContainerIdentity(runtime=HOST, cgroup_path=path)
     for comp in reversed(comps):
         m = _UNIT.match(comp)
         if m:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gpuwatch.containers.cgroup_path import parse_cgroup_path
+from gpuwatch.model import HOST_IDENTITY
+
 
 @dataclass(frozen=True)
 class CgroupFile:
@@ -32,7 +35,12 @@ class CgroupChoice:
 
 
 def parse_cgroup_file(text: str) -> CgroupFile:
-    """Parse `hierarchy-id:controllers:path` lines; v2 is `0::/path`. Bad lines are skipped."""
+    """Parse `hierarchy-id:controllers:path` lines; v2 is `0::/path`. Bad lines are skipped.
+
+    A v1 line with an empty controller field (`13::/docker/<id>`, seen in some dumps) is
+    kept under the hierarchy name "#<id>". Paths relative to another cgroup namespace
+    (`/../../x`, which some tools print without the leading slash: `../../x`) are kept.
+    """
     unified: str | None = None
     v1: list[tuple[str, str]] = []
     for line in text.splitlines():
@@ -40,6 +48,8 @@ def parse_cgroup_file(text: str) -> CgroupFile:
         if len(parts) != 3:
             continue
         hid, controllers, path = parts
+        if path.startswith(".."):
+            path = "/" + path
         if not path.startswith("/"):
             continue
         if hid == "0" and controllers == "":
@@ -47,39 +57,55 @@ def parse_cgroup_file(text: str) -> CgroupFile:
         elif controllers:
             for ctrl in controllers.split(","):
                 v1.append((ctrl, path))
+        elif hid.isdigit():
+            v1.append((f"#{hid}", path))
     return CgroupFile(unified=unified, v1=tuple(v1))
 
 
-# v1 hierarchies to consult, best first, when the unified path says nothing ("/").
+# v1 hierarchies to consult, best first, when several name the process equally well.
 _V1_PREFERENCE = ("name=systemd", "cpu", "cpuacct", "memory", "pids", "devices", "cpuset", "blkio", "freezer")
 
 
-def choose_cgroup_path(cg: CgroupFile) -> CgroupChoice:
-    """The path that identifies the process.
+def identity_rank(path: str) -> int:
+    """How much a cgroup path says about who a process is: 3 a container, 2 a pod-level
+    cgroup, 1 anything else below the root (a unit, a session, an unknown cgroup), 0 the root."""
+    ident = parse_cgroup_path(path)
+    if ident.container_id:
+        return 3
+    if ident.pod_uid:
+        return 2
+    return 0 if ident == HOST_IDENTITY else 1
 
-    Pure v2: the `0::` line. Hybrid: prefer the unified line (runc and systemd create the
-    cgroup there too, and it is what bpf_get_current_cgroup_id() reports); when it is "/" or
-    missing but a v1 hierarchy places the process deeper (runtimes that only manage v1),
-    take name=systemd, else the v1 path shared by the most controllers.
+
+def choose_cgroup_path(cg: CgroupFile) -> CgroupChoice:
+    """The path that identifies the process, judged from every line of the file.
+
+    The unified (`0::`) line wins unless a v1 line says more (it is what
+    bpf_get_current_cgroup_id() reports): a hybrid host whose runtime manages v1 only shows
+    `0::/system.slice/containerd.service` (or `0::/`) while the v1 controllers name the
+    pod's container, and that container is who the process is. Among v1 lines that say
+    equally much: name=systemd, else the path shared by the most controllers.
     """
-    if cg.unified not in (None, "/"):
-        assert cg.unified is not None
+    unified_rank = identity_rank(cg.unified) if cg.unified is not None else -1
+    ranked = [(identity_rank(p), c, p) for c, p in cg.v1]
+    best_rank = max((r for r, _, _ in ranked), default=-1)
+    if cg.unified is not None and unified_rank >= best_rank:
         return CgroupChoice(cg.unified, "", cg.unified)
-    deeper = [(c, p) for c, p in cg.v1 if p != "/"]
-    if not deeper:
+    if best_rank <= 0:
         return CgroupChoice(cg.unified or "/", "", cg.unified)
-    by_ctrl = dict(deeper)
-    counts: dict[str, int] = {}
-    for _, p in deeper:
-        counts[p] = counts.get(p, 0) + 1
+    best = [(c, p) for r, c, p in ranked if r == best_rank]
+    by_ctrl = dict(best)
     if "name=systemd" in by_ctrl:
         return CgroupChoice(by_ctrl["name=systemd"], "name=systemd", cg.unified)
-    best = max(counts.items(), key=lambda kv: (kv[1], len(kv[0])))[0]
+    counts: dict[str, int] = {}
+    for _, p in best:
+        counts[p] = counts.get(p, 0) + 1
+    path = max(counts.items(), key=lambda kv: (kv[1], len(kv[0])))[0]
     for ctrl in _V1_PREFERENCE:
-        if by_ctrl.get(ctrl) == best:
-            return CgroupChoice(best, ctrl, cg.unified)
-    ctrl = next(c for c, p in deeper if p == best)
-    return CgroupChoice(best, ctrl, cg.unified)
+        if by_ctrl.get(ctrl) == path:
+            return CgroupChoice(path, ctrl, cg.unified)
+    ctrl = next(c for c, p in best if p == path)
+    return CgroupChoice(path, ctrl, cg.unified)
 
 
 class ProcStat(NamedTuple):

@@ -33,11 +33,10 @@ from gpuwatch.containers.cgroup_path import (
     normalize_pod_uid,
     parse_cgroup_path,
 )
-from gpuwatch.containers.cgroupfs import CgroupIdIndex, CgroupMounts, cgroup_dir, discover_mounts
+from gpuwatch.containers.cgroupfs import CgroupIdIndex, cgroup_dir, discover_mounts
 from gpuwatch.containers.metadata import BundleRoots, ContainerMetadata, MetadataLookup
+from gpuwatch.containers.pidcgroup import cgroup_choice
 from gpuwatch.containers.procfs import (
-    choose_cgroup_path,
-    parse_cgroup_file,
     parse_stat,
     parse_status,
     read_text,
@@ -97,7 +96,7 @@ class IdentityResolver:
         self._clock = clock
         mounts = discover_mounts(self.proc_root)
         if cgroup_root is not None:
-            mounts = CgroupMounts(unified=cgroup_root, v1=mounts.v1)
+            mounts = mounts.with_unified(cgroup_root)
         self.mounts = mounts
         self.bundle_roots = bundle_roots or BundleRoots()
         self._lookup = MetadataLookup(self.bundle_roots)
@@ -177,7 +176,7 @@ class IdentityResolver:
         status = read_text(f"{pdir}/status")
         name, nspid = parse_status(status) if status is not None else ("", ())
         if cg_text is not None:
-            choice = choose_cgroup_path(parse_cgroup_file(cg_text))
+            choice = cgroup_choice(cg_text, self.mounts)  # every line, placed in its hierarchy
             path_entry = self._path_entry(choice.path, choice.hierarchy)
         else:
             # cgroup unreadable (truncated fixture, permissions): keep the process, say unknown

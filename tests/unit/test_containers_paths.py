@@ -107,7 +107,7 @@ CASES: list[tuple[str, str, str, str, str, str]] = [
     (
         f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/crio-conmon-{A}.scope",
         "crio",
-        A,
+        "",  # conmon is the runtime's helper, not the container: it never carries the container's id
         UID,
         "burstable",
         "",
@@ -153,7 +153,7 @@ CASES: list[tuple[str, str, str, str, str, str]] = [
         "",
     ),
     # podman's conmon
-    (f"/machine.slice/libpod-conmon-{A}.scope", "podman", A, "", "", ""),
+    (f"/machine.slice/libpod-conmon-{A}.scope", "podman", "", "", "", ""),
     # podman with the cgroupfs manager: /libpod_parent/libpod-<id>
     (f"/libpod_parent/libpod-{A}", "podman", A, "", "", ""),
     # podman pod: machine-libpod_pod_<pod id>.slice
@@ -234,11 +234,11 @@ CASES: list[tuple[str, str, str, str, str, str]] = [
     ),
     # a kubelet-run pod on a kind node, pod dir only
     (f"/docker/{KIND_NODE}/kubepods/pod{UID}", "kubepods", "", UID, "guaranteed", ""),
-    # systemd services and sessions
+    # systemd services; login sessions and a user's own services are host processes (issue 12)
     ("/system.slice/nvidia-persistenced.service", "systemd", "", "", "", "nvidia-persistenced"),
     ("/system.slice/containerd.service", "systemd", "", "", "", "containerd"),
-    ("/user.slice/user-1000.slice/session-3.scope", "systemd", "", "", "", "session-3"),
-    ("/user.slice/user-1000.slice/user@1000.service/app.slice/foo.service", "systemd", "", "", "", "foo"),
+    ("/user.slice/user-1000.slice/session-3.scope", "host", "", "", "", ""),
+    ("/user.slice/user-1000.slice/user@1000.service/app.slice/foo.service", "host", "", "", "", ""),
     ("/init.scope", "systemd", "", "", "", "init"),
     # this build machine's sandbox cgroup (v1 memory only): unknown, raw path kept
     ("/process_api/82a1dc48c19ca99d74bbe6f9cb8c9c0d", "unknown", "", "", "", ""),
@@ -262,7 +262,7 @@ def test_real_world_paths(path: str, runtime: str, cid: str, pod_uid: str, qos: 
 def test_at_least_25_real_world_layouts() -> None:
     assert len(CASES) >= 25
     runtimes = {c[1] for c in CASES}
-    assert {"docker", "containerd", "crio", "podman", "runc", "kubepods", "systemd", "unknown"} <= runtimes
+    assert {"docker", "containerd", "crio", "podman", "runc", "kubepods", "systemd", "host", "unknown"} <= runtimes
     assert {c[4] for c in CASES} >= {"guaranteed", "burstable", "besteffort"}
 
 
@@ -274,6 +274,7 @@ def test_root_is_host(path: str) -> None:
 def test_conmon_marked_as_monitor() -> None:
     ident = parse_cgroup_path(f"/machine.slice/libpod-conmon-{A}.scope")
     assert ("role", "monitor") in ident.labels
+    assert not ident.is_container
     assert parse_cgroup_path(f"/machine.slice/libpod-{A}.scope").labels == ()
 
 
