@@ -3,8 +3,8 @@
 Each record is written with O_APPEND and fsynced before `record()` returns, so a crash
 never loses a decision that was carried out. Fields: time, target identity, rule, scope,
 reason, measured values, action, result, detail, dry_run, suppressed. Start-up recovery
-steps are recorded too (`record_recovery`). The file is created 0640 with O_NOFOLLOW and
-must be a regular file.
+steps are recorded too (`record_recovery`), and changes no decision carries (`record_event`).
+The file is created 0640 with O_NOFOLLOW and must be a regular file.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from gpuwatch.enforce.actions.base import ActionResult
 from gpuwatch.enforce.frozen import RecoveryAction
 from gpuwatch.errors import EnforcementError
+from gpuwatch.model import ContainerIdentity
 from gpuwatch.policy.decisions import Decision
 
 DEFAULT_AUDIT_PATH = Path("/var/log/gpuwatch/audit.jsonl")
@@ -100,6 +101,30 @@ class AuditLog:
             "action": step.action,
             "result": step.result,
             "detail": step.detail + (f" (found by {step.source})" if step.source else ""),
+            "dry_run": dry_run,
+            "suppressed": "",
+        }
+        self._write(entry)
+        return entry
+
+    def record_event(self, target: ContainerIdentity, *, event: str, rule: str, scope: str, reason: str,
+                     action: str, result: str, detail: str = "", measured: dict[str, float] | None = None,
+                     dry_run: bool = False) -> dict[str, object]:
+        """A change the enforcer makes that no policy decision carries (e.g. the probe vs
+        NVML cross-check suspending in-kernel enforcement), same fields as a decision."""
+        entry: dict[str, object] = {
+            "time": round(self.clock(), 6),
+            "event": event,
+            "target": {"runtime": target.runtime, "cgroup_path": target.cgroup_path,
+                       "container_id": target.container_id, "container": target.container_name,
+                       "pod": target.pod_name, "namespace": target.pod_namespace},
+            "rule": rule,
+            "scope": scope,
+            "reason": reason,
+            "measured": dict(measured or {}),
+            "action": action,
+            "result": result,
+            "detail": detail,
             "dry_run": dry_run,
             "suppressed": "",
         }

@@ -39,6 +39,7 @@ from gpuwatch.enforce.actions import ActionResult, ActionSet, Status, build_acti
 from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
 from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree, own_cgroup_paths
 from gpuwatch.enforce.control import BusySource, FreezeControl
+from gpuwatch.enforce.crosscheck import InKernelGuard
 from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry, RecoveryAction
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap, kernel_action
 from gpuwatch.enforce.markers import MarkerOwner
@@ -50,6 +51,7 @@ from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, 
 from gpuwatch.enforce.webhook_requests import decide_webhook
 from gpuwatch.errors import EnforcementError
 from gpuwatch.model import ContainerEnforcement, ContainerIdentity, Snapshot
+from gpuwatch.policy.crosscheck import ProbeNvmlCrossCheck
 from gpuwatch.policy.evaluate import (
     VANISHED_INTERVALS,
     Decision,
@@ -109,6 +111,7 @@ class Enforcer:
         recover: bool = True,
         lock_path: str | Path | None = None,
         reload_wait_s: float = 0.1,
+        crosscheck: ProbeNvmlCrossCheck | None = None,
     ) -> None:
         """Load the policy (PolicyError if invalid), build the actions, thaw leftovers.
 
@@ -130,6 +133,10 @@ class Enforcer:
         `node_containers` lists every container on the node (not only GPU users): asked each
         snapshot while a GPU is held exclusively, else every `node_scan_s` when the policy has
         glob namespace quotas. None: only the containers the snapshot shows are known.
+
+        `crosscheck`: thresholds of the probe vs NVML cross-check (default max(64 MiB, 10%),
+        3 intervals to suspend and to resume): a container it suspends is kept out of the
+        kernel limit map (enforce/crosscheck.py).
         """
         self.policy_path = Path(policy_path)
         self.dry_run = dry_run
@@ -176,6 +183,8 @@ class Enforcer:
         """Key -> the last throttle/pause/checkpoint decision carried out (or recorded in a dry run)."""
         self._view: tuple[ContainerEnforcement, ...] = ()
         self.recovery_metrics = RecoveryMetrics()
+        self.kernel_guard = InKernelGuard(self.audit, dry_run, crosscheck)
+        self.metrics.extra_families.append(self.kernel_guard.metric_family)
         self.recovered = self.actions.control.registry.recover(self._on_recovery) if recover else []
 
     # -- policy -------------------------------------------------------------------------
@@ -274,6 +283,7 @@ class Enforcer:
             self.last_outcomes = outcomes
             self.metrics.count_deadlocks(result.deadlocks_detected, result.deadlocks_resolved)
             self._identities = {row.identity.key: row.identity for row in snapshot.containers}
+            self.kernel_guard.observe(snapshot)
             self._push_limits(result, snapshot)
             self._sharing_throttles(result, snapshot, clock())
             self._update_view(result, snapshot)
@@ -331,12 +341,16 @@ class Enforcer:
 
     def _push_limits(self, result: EvaluationResult, snapshot: Snapshot | None = None) -> None:
         """Effective GPU memory limit (and kernel action) per cgroup id into the kernel map,
-        then the device gate (_push_devices)."""
+        then the device gate (_push_devices). Containers whose probe counter NVML contradicts
+        (kernel_guard) get no entry: the kernel cannot act on them."""
         with self._lock:
             policy = self.policy
         rules = {r.name: r for r in policy.rules}
         wanted: dict[int, tuple[int, str]] = {}
+        suspended = self.kernel_guard.suspended_keys()
         for key in set(result.measurements) | set(result.effective_limits_bytes):
+            if key in suspended:
+                continue
             identity = self._identities.get(key)
             measured = result.measurements.get(key)
             fair = key in result.effective_limits_bytes

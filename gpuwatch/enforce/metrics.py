@@ -8,7 +8,8 @@ gpuwatch_namespace_gpu_memory_quota_bytes{node,namespace} (the policy's namespac
 schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}; per container
 from the enforcer's view: gpuwatch_enforce_memory_fair_share_bytes, _waiting_for_memory_seconds,
 _pending_allocation_bytes (rescheduling), gpuwatch_enforce_elastic_share{role} and
-gpuwatch_enforce_growth_efficiency (elastic); WebhookMetrics:
+gpuwatch_enforce_growth_efficiency (elastic); gpuwatch_container_inkernel_enforcement_suspended
+(the probe vs NVML cross-check, enforce/crosscheck.py); WebhookMetrics:
 gpuwatch_webhook_requests_total{result}, gpuwatch_webhook_alerts_total{result}.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -63,6 +64,7 @@ class EnforcerMetrics(Collector):
         self._quotas: tuple[tuple[str, int], ...] = ()
         self._gated: tuple[tuple[tuple[str, str, str, str], int], ...] = ()
         self._enforcement: tuple[ContainerEnforcement, ...] = ()
+        self.extra_families: list[Callable[[], Metric]] = []  # e.g. the in-kernel guard's (enforce/crosscheck.py)
 
     def count_action(self, action: str, result: str) -> None:
         with self._lock:
@@ -199,6 +201,8 @@ class EnforcerMetrics(Collector):
             gated_fam.add_metric(list(gpu_labels), count)
         yield gated_fam
         yield from _view_families(enforcement)
+        for family in list(self.extra_families):
+            yield family()
 
 
 def _view_families(enforcement: tuple[ContainerEnforcement, ...]) -> Iterator[Metric]:
