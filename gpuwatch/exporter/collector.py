@@ -14,6 +14,8 @@ Labels:
 Sharing (`_sharing`): gpuwatch_gpu_tenants and gpuwatch_gpu_exclusive per GPU (GPU labels).
 Progress (exporter/progress.py): gpuwatch_container_progress and _rate per container that
 declared an evaluation function (container labels without the GPU).
+Cross-check (exporter/crosscheck.py): gpuwatch_container_probe_nvml_divergence_bytes per
+container (probe live bytes minus NVML memory, container labels without the GPU).
 A cgroup that is not a container (host processes, systemd services) is exported with
 ``container`` = its cgroup path and an empty ``container_id``, so its series stay
 distinct. A field the GPU backend could not read (N/A) is left out, never exported as 0.
@@ -29,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
+from gpuwatch.exporter.crosscheck import crosscheck_families
 from gpuwatch.exporter.labels import (
     CONTAINER_LABELS,
     GPU_LABELS,
@@ -62,7 +65,7 @@ class SnapshotCollector(Collector):
         snapshot = self._get_snapshot()
         families: list[Metric] = []
         for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, self._sharing,
-                      signal_families, progress_families):
+                      signal_families, progress_families, crosscheck_families):
             try:
                 families.extend(build(snapshot))
             except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
