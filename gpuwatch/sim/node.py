@@ -9,6 +9,11 @@ the fake libnvidia-ml, so the layout has exactly one definition (csrc/simstate.h
 Kernels on one simulated GPU contend for its execution engine (csrc/simstate.h): one
 context runs at a time, time-sliced (`timeslice_ms`), or up to `mps` at once in the
 MPS-like mode; `engine(node, gpu)` tells who holds it and how often it changed hands.
+
+The stub libcuda issues the driver traffic a real NVIDIA driver sees (README "Driver
+traffic"); how a process allocates -- RM_ALLOC or VID_HEAP_CONTROL, one driver
+allocation per cuMemAlloc or chunks, the context's own memory, how a context ends -- is
+chosen per process through the environment `driver_env` builds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ TOPOLOGIES = {"pcie": 0, "nvlink-pairs": 1, "nvswitch": 2}
 MAX_MPS_LANES = 8  # SIM_MAX_LANES
 DEFAULT_TIMESLICE_MS = 2.0  # SIM_DEFAULT_TIMESLICE_US
 _NULL_MAJOR_MINOR = (1, 3)  # /dev/null: opens and ioctls succeed harmlessly (ENOTTY)
+_ZERO_MAJOR_MINOR = (1, 5)  # /dev/zero for nvidia-uvm: ioctls fail harmlessly, mmap works (managed ranges)
+ALLOC_PATHS = ("rm-alloc", "vid-heap")  # how the stub creates memory objects
+CTX_TEARDOWNS = ("free-device", "free-client", "close-fd")  # how a process's last cuCtxDestroy ends its client
+MAX_DRIVER_MIB = 1 << 20  # the stub's bound on --suballoc-mib / --context-mib
 _NOT_UP_FIX = "run `gpuwatch sim up`"
 
 
@@ -83,6 +92,8 @@ class SimDevice:
     row_remap_failure: bool = False
     row_remap_pending: bool = False
     remapped_rows_uncorrectable: int = 0
+    device_instance: int = 0  # RM's device instance (NV0080 deviceId): reversed order, not the minor
+    gpu_id: int = 0  # CARD_INFO / GET_ID_INFO_V2 gpu_id (PCI bus << 8)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,12 @@ class SimProcess:
     busy_seconds_total: float
     kernel_launches: int
     engine_wait_seconds_total: float = 0.0  # time its launches waited for the GPU's engine
+    # the parts of memory_bytes (RM's rule: rm_memory_bytes + managed_bytes)
+    rm_memory_bytes: int = 0  # live class-0x40 memory objects at their rounded sizes
+    rm_objects: int = 0  # how many
+    context_bytes: int = 0  # of rm_memory_bytes: the contexts' own memory
+    managed_bytes: int = 0  # resident managed memory (nvidia-uvm, no RM object)
+    requested_bytes: int = 0  # what the live cuMemAlloc* calls asked for
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,11 @@ class _ProcInfo(ctypes.Structure):
         ("busy_ns_total", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
         ("engine_wait_ns_total", ctypes.c_uint64),
+        ("rm_memory_bytes", ctypes.c_uint64),
+        ("rm_objects", ctypes.c_uint64),
+        ("context_bytes", ctypes.c_uint64),
+        ("managed_bytes", ctypes.c_uint64),
+        ("requested_bytes", ctypes.c_uint64),
     ]
 
 
@@ -164,6 +186,8 @@ class _DeviceInfo(ctypes.Structure):
         ("remap_failure", ctypes.c_uint32),
         ("remapped_rows_unc", ctypes.c_uint32),
         ("remap_pending", ctypes.c_uint32),
+        ("device_instance", ctypes.c_uint32),
+        ("gpu_id", ctypes.c_uint32),
     ]
 
 
@@ -235,14 +259,15 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
     return lib
 
 
-def _make_device_node(path: Path) -> bool:
-    """A char device with /dev/null's numbers; a regular file when mknod is not allowed.
+def _make_device_node(path: Path, numbers: tuple[int, int] = _NULL_MAJOR_MINOR) -> bool:
+    """A char device with /dev/null's numbers (or `numbers`); a regular file when mknod is
+    not allowed.
 
     Returns True for a real char device."""
     if path.exists() or path.is_symlink():
         path.unlink()
     try:
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(*_NULL_MAJOR_MINOR))
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(*numbers))
         os.chmod(path, 0o666)
         return True
     except PermissionError:
@@ -267,10 +292,11 @@ def up(
     """Create (or re-create) a simulated node and return it.
 
     `rm_alloc_params` picks the RM_ALLOC parameter layout the stub issues (NVOS64, 48 B,
-    or NVOS21, 32 B). With `rm_device_handles`, each process's first context on a device
-    also RM_ALLOCs the RM client (0x41), NV01_DEVICE_0 (0x80, deviceId = minor) and
-    NV20_SUBDEVICE_0 (0x2080), as the real driver sequence does, so probes can map device
-    handles to GPUs. `topology` is the GPU interconnect NVML reports: "pcie" (no NVLink),
+    or NVOS21, 32 B). Contexts always allocate the RM client (0x41), NV01_DEVICE_0 (0x80,
+    deviceId = the device instance, numbered in reverse of the minors), NV20_SUBDEVICE_0
+    (0x2080) and a VA space (0x90F1), as the real driver sequence does (README "Driver
+    traffic"); `rm_device_handles` is accepted for compatibility and changes nothing.
+    `topology` is the GPU interconnect NVML reports: "pcie" (no NVLink),
     "nvlink-pairs" (GPUs 2k and 2k+1 bridged by 4 NVLinks) or "nvswitch" (18 NVLinks per
     GPU, all to NVSwitches); the PCIe common ancestors are the same in all three (see the
     README). `mps` is how many contexts' kernels run at once on one GPU: 1 (default) is a
@@ -304,7 +330,7 @@ def up(
         os.chmod(sim_root / "progress", 0o1777)
         real = [
             _make_device_node(sim_root / "dev" / "nvidiactl"),
-            _make_device_node(sim_root / "dev" / "nvidia-uvm"),
+            _make_device_node(sim_root / "dev" / "nvidia-uvm", _ZERO_MAJOR_MINOR),
         ]
         real += [_make_device_node(sim_root / "dev" / f"nvidia{i}") for i in range(devices)]
         kmsg = sim_root / "kmsg"
@@ -442,6 +468,11 @@ def status(node: SimNode) -> SimStatus:
             busy_seconds_total=e.busy_ns_total / 1e9,
             kernel_launches=e.launches,
             engine_wait_seconds_total=e.engine_wait_ns_total / 1e9,
+            rm_memory_bytes=e.rm_memory_bytes,
+            rm_objects=e.rm_objects,
+            context_bytes=e.context_bytes,
+            managed_bytes=e.managed_bytes,
+            requested_bytes=e.requested_bytes,
         )
         for e in buf[:n]
     )
@@ -467,6 +498,8 @@ def status(node: SimNode) -> SimStatus:
                 row_remap_failure=bool(d.remap_failure),
                 row_remap_pending=bool(d.remap_pending),
                 remapped_rows_uncorrectable=d.remapped_rows_unc,
+                device_instance=d.device_instance,
+                gpu_id=d.gpu_id,
             )
         )
     return SimStatus(node=node, devices=tuple(devices), processes=procs)
@@ -566,6 +599,36 @@ def sim_env(node: SimNode, base: dict[str, str] | None = None) -> dict[str, str]
     env["GPUWATCH_SIM_ROOT"] = str(node.root)
     env["GPUWATCH_SIM_LIBCUDA"] = str(node.libraries.cuda_path)
     return env
+
+
+def driver_env(
+    alloc_path: str = "rm-alloc",
+    suballoc_mib: int = 0,
+    context_mib: int = 0,
+    ctx_teardown: str = "free-device",
+) -> dict[str, str]:
+    """Environment that tells the stub libcuda how a process talks to the driver.
+
+    `alloc_path`: memory objects through RM_ALLOC (class 0x40) or VID_HEAP_CONTROL
+    (ALLOC_SIZE / FREE). `suballoc_mib`: 0 = one driver allocation per cuMemAlloc; N =
+    cuMemAllocs of at most N MiB are carved from N-MiB chunks (freed when empty).
+    `context_mib`: memory each context allocates for itself (objects of at most 2 MiB).
+    `ctx_teardown`: what the process's last cuCtxDestroy does to its RM client: free the
+    device (the client stays), RM_FREE the client, or close nvidiactl (README "Driver
+    traffic")."""
+    if alloc_path not in ALLOC_PATHS:
+        raise SimError(f"unknown allocation path {alloc_path!r}", fix=f"use one of {', '.join(ALLOC_PATHS)}")
+    if ctx_teardown not in CTX_TEARDOWNS:
+        raise SimError(f"unknown context teardown {ctx_teardown!r}", fix=f"use one of {', '.join(CTX_TEARDOWNS)}")
+    for what, mib in (("--suballoc-mib", suballoc_mib), ("--context-mib", context_mib)):
+        if not 0 <= mib <= MAX_DRIVER_MIB:
+            raise SimError(f"{what} {mib} is out of range", fix=f"pass 0 to {MAX_DRIVER_MIB} MiB")
+    return {
+        "GPUWATCH_SIM_ALLOC_PATH": alloc_path,
+        "GPUWATCH_SIM_SUBALLOC_MIB": str(suballoc_mib),
+        "GPUWATCH_SIM_CONTEXT_MIB": str(context_mib),
+        "GPUWATCH_SIM_CTX_TEARDOWN": ctx_teardown,
+    }
 
 
 def preload_fake_nvml(path: Path | str, state_path: Path | str | None = None) -> ctypes.CDLL:

@@ -7,15 +7,14 @@
  *   - allocations charge the shared per-device ledger and fail with
  *     CUDA_ERROR_OUT_OF_MEMORY (2) when the simulated device is full; memory of dead
  *     processes is reclaimed (see simstate.h: liveness locks);
- *   - context creation opens <sim root>/dev/nvidiactl, nvidia<N>, nvidia-uvm, and every
- *     allocation/free issues an ioctl with the real NVIDIA encoding on nvidiactl:
- *       RM_ALLOC  _IOWR('F', 0x2B, NVOS64 (48 B) or NVOS21 (32 B)), hClass 0x40
- *                 (NV01_MEMORY_LOCAL_USER), pAllocParms -> NV_MEMORY_ALLOCATION_PARAMS
- *                 with size (u64) at offset 64;
- *       RM_FREE   _IOWR('F', 0x29, NVOS00 (16 B)).
- *     hRoot is unique per process, hObject unique per allocation within a process, so a
- *     probe can key frees on (tgid, hRoot, hObject). The nodes are char devices 1:3
- *     (/dev/null), so the ioctls reach the kernel and fail harmlessly with ENOTTY.
+ *   - it issues the driver traffic the real NVIDIA driver sees (see "driver model" below
+ *     and ../README.md "Driver traffic"): CARD_INFO at cuInit, the RM client, device,
+ *     subdevice, VA space and context memory at context creation, memory objects through
+ *     RM_ALLOC or VID_HEAP_CONTROL (one per cuMemAlloc or carved from chunks), managed
+ *     memory through nvidia-uvm, frees by handle, by parent and by closing nvidiactl.
+ *     The nodes are /dev/null (nvidiactl, nvidia<N>) and /dev/zero (nvidia-uvm), so the
+ *     ioctls reach the kernel and fail harmlessly with ENOTTY; the stub writes the
+ *     driver's answer into the parameters before the syscall (see "driver model");
  *   - kernel launches burn CPU for the duration the caller asks for and credit the
  *     thread's runnable time (CPU time + run-queue wait) as busy time of (process,
  *     device). A frozen or stopped process is not runnable, so it accrues no busy time.
@@ -29,8 +28,18 @@
  *   cuGraphLaunch: the CUgraphExec handle value itself is the number of microseconds
  *     (the stub has no graph construction API).
  *   The work is runnable time (see run_kernel), so host CPU contention does not stretch
- *   kernels, but freezing or stopping the caller pauses them.
- * Device pointers are fake addresses and must never be dereferenced.
+ *     kernels, but freezing or stopping the caller pauses them.
+ * Device pointers are fake addresses (managed ones are real mappings of nvidia-uvm) and
+ * must never be dereferenced.
+ *
+ * Per-process configuration (environment, read at cuInit; `gpuwatch sim run` sets it):
+ *   GPUWATCH_SIM_ALLOC_PATH     rm-alloc (default) | vid-heap
+ *   GPUWATCH_SIM_SUBALLOC_MIB   0 (default): one driver allocation per cuMemAlloc;
+ *                               N: cuMemAllocs of <= N MiB are carved from N-MiB chunks
+ *   GPUWATCH_SIM_CONTEXT_MIB    memory a context allocates for itself (default 0)
+ *   GPUWATCH_SIM_CTX_TEARDOWN   how the last cuCtxDestroy of a process ends its client:
+ *                               free-device (default) | free-client | close-fd
+ * An invalid value makes cuInit fail with CUDA_ERROR_INVALID_VALUE (and a line on stderr).
  */
 #define _GNU_SOURCE
 #include "simstate.h"
@@ -44,6 +53,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -76,14 +86,64 @@ enum {
     CUDA_ERROR_UNKNOWN = 999,
 };
 
-/* ---- NVIDIA RM ioctl ABI (open-gpu-kernel-modules) ---- */
+/* ---- NVIDIA driver ABI (open-gpu-kernel-modules; ../../shared/nvidia-abi.md) ---- */
 #define NV_IOCTL_MAGIC 'F'
 #define NV_ESC_RM_FREE 0x29
+#define NV_ESC_RM_CONTROL 0x2A
 #define NV_ESC_RM_ALLOC 0x2B
+#define NV_ESC_RM_VID_HEAP_CONTROL 0x4A
+#define NV_ESC_CARD_INFO 200
 #define NV01_MEMORY_LOCAL_USER 0x40
 #define NV01_ROOT_CLIENT 0x41
 #define NV01_DEVICE_0 0x80
 #define NV20_SUBDEVICE_0 0x2080
+#define FERMI_VASPACE_A 0x90F1
+#define NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 0x205
+#define NVOS32_FUNCTION_ALLOC_SIZE 2
+#define NVOS32_FUNCTION_FREE 3
+#define NVOS32_TYPE_IMAGE 0
+#define NVOS32_ATTR_LOCATION_VIDMEM 0u /* attr bits 26:25 */
+#define NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED 0x4000u
+#define NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED 0x1u
+#define NV_OK 0u
+#define NV_ERR_NO_MEMORY 0x51u
+#define NV_MAX_CARDS 32
+#define UVM_INITIALIZE 0x30000001UL /* nvidia-uvm ioctls are bare numbers */
+
+typedef struct {
+    uint8_t valid;          /* 0 */
+    uint8_t pad0[3];
+    uint32_t domain;        /* 4: nv_pci_info_t */
+    uint8_t bus, slot, function, pad1;
+    uint16_t vendor_id, device_id;
+    uint32_t gpu_id;        /* 16 */
+    uint16_t interrupt_line;/* 20 */
+    uint16_t pad2;
+    uint64_t reg_address;   /* 24 */
+    uint64_t reg_size;      /* 32 */
+    uint64_t fb_address;    /* 40 */
+    uint64_t fb_size;       /* 48 */
+    uint32_t minor_number;  /* 56 */
+    uint8_t dev_name[10];   /* 60 */
+    uint8_t pad3[2];
+} nv_ioctl_card_info_t; /* 72 B */
+
+typedef struct {
+    uint32_t hClient, hObject, cmd, flags;
+    uint64_t params;
+    uint32_t paramsSize, status;
+} NVOS54_PARAMETERS; /* 32 B */
+
+typedef struct {
+    uint32_t gpuId;            /* 0 */
+    uint32_t gpuFlags;         /* 4 */
+    uint32_t deviceInstance;   /* 8 */
+    uint32_t subDeviceInstance;/* 12 */
+    uint32_t sliStatus;        /* 16 */
+    uint32_t boardId;          /* 20 */
+    uint32_t gpuInstance;      /* 24 */
+    int32_t numaId;            /* 28 */
+} NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS; /* 32 B */
 
 typedef struct {
     uint32_t deviceId;      /* 0 */
@@ -102,6 +162,13 @@ typedef struct {
 typedef struct {
     uint32_t subDeviceId;
 } NV2080_ALLOC_PARAMETERS;
+
+typedef struct {
+    uint32_t index, flags;
+    uint64_t vaSize, vaStartInternal, vaLimitInternal;
+    uint32_t bigPageSize, pad;
+    uint64_t vaBase;
+} NV_VASPACE_ALLOCATION_PARAMETERS; /* 48 B */
 
 typedef struct {
     uint32_t hRoot, hObjectParent, hObjectNew, hClass;
@@ -144,13 +211,82 @@ typedef struct {
     uint32_t hVASpace;     /* 108 */
     uint32_t internalflags;/* 112 */
     uint32_t tag;          /* 116 */
-    uint64_t reserved;     /* 120 */
+    uint64_t reserved;     /* 120: numaNode + pad on 550+ */
 } NV_MEMORY_ALLOCATION_PARAMS; /* 128 B */
 
+/* NVOS32 (VID_HEAP_CONTROL): the head, then a union whose AllocSize member is the
+ * largest (144 B); FREE uses owner/hMemory/flags at the start of the union */
+typedef struct {
+    uint32_t hRoot;          /* 0 */
+    uint32_t hObjectParent;  /* 4 */
+    uint32_t function;       /* 8 */
+    uint32_t hVASpace;       /* 12 */
+    int16_t ivcHeapNumber;   /* 16 */
+    uint16_t pad0;
+    uint32_t status;         /* 20 */
+    uint64_t total;          /* 24 */
+    uint64_t free;           /* 32 */
+    union {
+        struct {
+            uint32_t owner;      /* 40 */
+            uint32_t hMemory;    /* 44 */
+            uint32_t type;       /* 48 */
+            uint32_t flags;      /* 52 */
+            uint32_t attr;       /* 56 */
+            uint32_t format;     /* 60 */
+            uint32_t comprCovg;  /* 64 */
+            uint32_t zcullCovg;  /* 68 */
+            uint32_t partitionStride; /* 72 */
+            uint32_t width;      /* 76 */
+            uint32_t height;     /* 80 */
+            uint32_t pad1;       /* 84 */
+            uint64_t size;       /* 88 */
+            uint64_t alignment;  /* 96 */
+            uint64_t offset;     /* 104 */
+            uint64_t limit;      /* 112 */
+            uint64_t address;    /* 120 */
+            uint64_t rangeBegin; /* 128 */
+            uint64_t rangeEnd;   /* 136 */
+            uint32_t attr2;      /* 144 */
+            uint32_t ctagOffset; /* 148 */
+            int32_t numaNode;    /* 152 */
+            uint32_t pad2;       /* 156 */
+            uint8_t rest[24];    /* the union's larger members */
+        } AllocSize;
+        struct {
+            uint32_t owner;      /* 40 */
+            uint32_t hMemory;    /* 44 */
+            uint32_t flags;      /* 48 */
+        } Free;
+    } data;
+} NVOS32_PARAMETERS; /* 184 B */
+
+typedef struct {
+    uint64_t flags;
+    uint32_t rmStatus;
+    uint32_t pad;
+} UVM_INITIALIZE_PARAMS;
+
+_Static_assert(sizeof(nv_ioctl_card_info_t) == 72, "nv_ioctl_card_info_t is 72 bytes");
+_Static_assert(__builtin_offsetof(nv_ioctl_card_info_t, gpu_id) == 16, "gpu_id at 16");
+_Static_assert(__builtin_offsetof(nv_ioctl_card_info_t, minor_number) == 56, "minor_number at 56");
+_Static_assert(sizeof(NVOS54_PARAMETERS) == 32, "NVOS54 is 32 bytes");
+_Static_assert(sizeof(NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS) == 32, "GET_ID_INFO_V2 params are 32 bytes");
+_Static_assert(sizeof(NV0080_ALLOC_PARAMETERS) == 56, "NV0080 params are 56 bytes");
 _Static_assert(sizeof(NVOS21_PARAMETERS) == 32, "NVOS21 is 32 bytes");
 _Static_assert(sizeof(NVOS64_PARAMETERS) == 48, "NVOS64 is 48 bytes");
 _Static_assert(sizeof(NVOS00_PARAMETERS) == 16, "NVOS00 is 16 bytes");
+_Static_assert(sizeof(NV_MEMORY_ALLOCATION_PARAMS) == 128, "NV_MEMORY_ALLOCATION_PARAMS is 128 bytes");
 _Static_assert(__builtin_offsetof(NV_MEMORY_ALLOCATION_PARAMS, size) == 64, "size at 64");
+_Static_assert(sizeof(NVOS32_PARAMETERS) == 184, "NVOS32 is 184 bytes");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, status) == 20, "NVOS32 status at 20");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.AllocSize.hMemory) == 44, "hMemory at 44");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.AllocSize.attr) == 56, "attr at 56");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.AllocSize.size) == 88, "AllocSize.size at 88");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.AllocSize.offset) == 104, "offset at 104");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.AllocSize.attr2) == 144, "attr2 at 144");
+_Static_assert(__builtin_offsetof(NVOS32_PARAMETERS, data.Free.flags) == 48, "Free.flags at 48");
+_Static_assert(sizeof(UVM_INITIALIZE_PARAMS) == 16, "UVM_INITIALIZE_PARAMS is 16 bytes");
 
 /* ---- process state ---- */
 
@@ -159,12 +295,39 @@ struct sim_ctx {
     int phys;      /* index in the state file */
 };
 
+/* what a cuMemAlloc* pointer stands for */
+enum { REC_DIRECT = 0, REC_CARVED = 1, REC_MANAGED = 2 };
+
 struct alloc_rec {
     CUdeviceptr ptr;   /* 0 = empty, 1 = tombstone */
-    uint64_t size;
+    uint64_t size;     /* what the program asked for */
+    uint64_t charged;  /* REC_CARVED: bytes carved from the chunk; REC_MANAGED: mapped length */
+    uint32_t handle;   /* RM memory object: its own (REC_DIRECT) or its chunk (REC_CARVED) */
+    int phys;
+    int kind;          /* REC_* */
+};
+
+/* A class-0x40 memory object RM holds for this process (the driver's view). */
+enum { MEM_CONTEXT = 1, MEM_DIRECT = 2, MEM_CHUNK = 3 };
+
+struct rm_mem {
     uint32_t handle;
     int phys;
+    int kind;          /* MEM_* */
+    uint64_t size;     /* the rounded size RM wrote back */
+    uint64_t carved;   /* MEM_CHUNK: bytes of live cuMemAllocs carved from it */
+    uint32_t users;    /* MEM_CHUNK: live cuMemAllocs in it */
 };
+
+enum { PATH_RM_ALLOC = 0, PATH_VID_HEAP = 1 };
+enum { TEARDOWN_FREE_DEVICE = 0, TEARDOWN_FREE_CLIENT = 1, TEARDOWN_CLOSE_FD = 2 };
+
+static struct {
+    int alloc_path;           /* PATH_* */
+    uint64_t suballoc_bytes;  /* 0: one driver allocation per cuMemAlloc */
+    uint64_t context_bytes;   /* a context's own memory */
+    int teardown;             /* TEARDOWN_* */
+} g_cfg;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_inited;
@@ -175,6 +338,7 @@ static int g_visible[SIM_MAX_DEVICES];
 static int g_visible_count;
 static int g_ctl_fd = -1;
 static int g_uvm_fd = -1;
+static int g_uvm_initialized;
 static int g_dev_fd[SIM_MAX_DEVICES];
 static uint32_t g_hroot;
 static uint32_t g_next_handle = 0xcaf00001u;
@@ -182,24 +346,30 @@ static CUdeviceptr g_next_va = 0x7f0000000000ULL;
 static struct alloc_rec *g_allocs;
 static size_t g_alloc_cap;
 static size_t g_alloc_used;
+static struct rm_mem *g_mem;
+static size_t g_mem_count, g_mem_cap;
 static __thread struct sim_ctx *t_ctx;
 /* threads of one process take turns on a device's engine (one context per process) */
 static pthread_mutex_t g_launch_lock[SIM_MAX_DEVICES];
-static int g_client_allocated;      /* RM client allocated (rm_device_handles) */
-static uint32_t g_devices_allocated; /* devices with NV01_DEVICE_0 allocated */
-
-static void rm_device_handshake(int phys);
+static int g_client_allocated;      /* the RM client exists (on g_ctl_fd) */
+static uint32_t g_devices_allocated; /* devices whose NV01_DEVICE_0 (and children) exist */
+static int g_ctx_count[SIM_MAX_DEVICES]; /* live contexts per device */
 
 static void atfork_child(void)
 {
-    /* A forked child owns no slot, no liveness lock and no allocations (its parent's
-     * stay the parent's), and must not share the parent's open file description:
-     * flock() locks belong to it, so parent and child would not exclude each other. */
+    /* A forked child owns no slot, no liveness lock, no RM objects and no allocations
+     * (its parent's stay the parent's), and must not share the parent's open file
+     * description: flock() locks belong to it, so parent and child would not exclude
+     * each other. */
     g_slot = -1;
     g_client_allocated = 0;
     g_devices_allocated = 0;
+    g_uvm_initialized = 0;
     g_allocs = NULL;
     g_alloc_cap = g_alloc_used = 0;
+    g_mem = NULL;
+    g_mem_count = g_mem_cap = 0;
+    memset(g_ctx_count, 0, sizeof(g_ctx_count));
     pthread_mutex_init(&g_lock, NULL);
     for (int i = 0; i < SIM_MAX_DEVICES; i++)
         pthread_mutex_init(&g_launch_lock[i], NULL);
@@ -208,6 +378,55 @@ static void atfork_child(void)
     t_ctx = NULL;
     if (g_inited && sim_reopen(sim_state_path(), &g_sim, 1) < 0)
         g_inited = 0;
+}
+
+/* Read the per-process configuration (see the top of this file). 0, or -1 after
+ * telling stderr what is wrong. */
+static int parse_config(void)
+{
+    memset(&g_cfg, 0, sizeof(g_cfg));
+    const char *path = getenv("GPUWATCH_SIM_ALLOC_PATH");
+    if (path && *path) {
+        if (strcmp(path, "rm-alloc") == 0)
+            g_cfg.alloc_path = PATH_RM_ALLOC;
+        else if (strcmp(path, "vid-heap") == 0)
+            g_cfg.alloc_path = PATH_VID_HEAP;
+        else {
+            fprintf(stderr, "gpuwatch-sim libcuda: GPUWATCH_SIM_ALLOC_PATH=%s: use rm-alloc or vid-heap\n", path);
+            return -1;
+        }
+    }
+    static const char *const mib_vars[2] = {"GPUWATCH_SIM_SUBALLOC_MIB", "GPUWATCH_SIM_CONTEXT_MIB"};
+    uint64_t *const mib_out[2] = {&g_cfg.suballoc_bytes, &g_cfg.context_bytes};
+    for (int i = 0; i < 2; i++) {
+        const char *v = getenv(mib_vars[i]);
+        if (!v || !*v)
+            continue;
+        char *end;
+        errno = 0;
+        unsigned long long mib = strtoull(v, &end, 10);
+        if (errno || *end || *v == '-' || mib > (1ULL << 20)) {
+            fprintf(stderr, "gpuwatch-sim libcuda: %s=%s: use a whole number of MiB (0..1048576)\n", mib_vars[i], v);
+            return -1;
+        }
+        *mib_out[i] = (uint64_t)mib << 20;
+    }
+    const char *td = getenv("GPUWATCH_SIM_CTX_TEARDOWN");
+    if (td && *td) {
+        if (strcmp(td, "free-device") == 0)
+            g_cfg.teardown = TEARDOWN_FREE_DEVICE;
+        else if (strcmp(td, "free-client") == 0)
+            g_cfg.teardown = TEARDOWN_FREE_CLIENT;
+        else if (strcmp(td, "close-fd") == 0)
+            g_cfg.teardown = TEARDOWN_CLOSE_FD;
+        else {
+            fprintf(stderr,
+                    "gpuwatch-sim libcuda: GPUWATCH_SIM_CTX_TEARDOWN=%s: use free-device, free-client or close-fd\n",
+                    td);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 static int parse_visible(void)
@@ -252,11 +471,17 @@ static CUresult ensure_init(void)
     return CUDA_ERROR_NOT_INITIALIZED;
 }
 
+static void ensure_ctl_locked(void);
+
 API CUresult cuInit(unsigned int flags)
 {
     (void)flags;
     pthread_mutex_lock(&g_lock);
     if (!g_inited) {
+        if (parse_config() < 0) {
+            pthread_mutex_unlock(&g_lock);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
         int rc = sim_open(sim_state_path(), &g_sim);
         if (rc < 0) {
             pthread_mutex_unlock(&g_lock);
@@ -270,6 +495,7 @@ API CUresult cuInit(unsigned int flags)
         parse_visible();
         pthread_atfork(NULL, NULL, atfork_child);
         g_inited = 1;
+        ensure_ctl_locked(); /* nvidiactl + CARD_INFO, as the real driver library does first */
     }
     pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
@@ -452,68 +678,7 @@ static int ensure_slot(void)
     return s;
 }
 
-/* ---- contexts ---- */
-
-static void open_nodes(int phys)
-{
-    char path[SIM_PATH_LEN + 32];
-    const char *root = g_sim.hdr->root;
-    if (g_ctl_fd < 0) {
-        snprintf(path, sizeof(path), "%s/dev/nvidiactl", root);
-        g_ctl_fd = open(path, O_RDWR | O_CLOEXEC);
-    }
-    if (g_dev_fd[phys] < 0) {
-        snprintf(path, sizeof(path), "%s/dev/nvidia%u", root, g_sim.hdr->devices[phys].minor);
-        g_dev_fd[phys] = open(path, O_RDWR | O_CLOEXEC);
-    }
-    if (g_uvm_fd < 0) {
-        snprintf(path, sizeof(path), "%s/dev/nvidia-uvm", root);
-        g_uvm_fd = open(path, O_RDWR | O_CLOEXEC);
-    }
-}
-
-API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
-{
-    (void)flags;
-    CUresult r = ensure_init();
-    if (r)
-        return r;
-    int p = phys_of(d);
-    if (p < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (g_sim.hdr->devices[p].lost)
-        return CUDA_ERROR_DEVICE_UNAVAILABLE;
-    pthread_mutex_lock(&g_lock);
-    int slot = ensure_slot();
-    if (slot < 0) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_UNKNOWN;
-    }
-    open_nodes(p);
-    rm_device_handshake(p);
-    __atomic_fetch_or(&g_sim.hdr->procs[slot].context_mask, 1u << p, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&g_lock);
-    struct sim_ctx *c = calloc(1, sizeof(*c));
-    if (!c)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    c->ordinal = d;
-    c->phys = p;
-    *pctx = c;
-    t_ctx = c;
-    return CUDA_SUCCESS;
-}
-
-API CUresult cuCtxDestroy_v2(CUcontext ctx)
-{
-    if (!ctx)
-        return CUDA_ERROR_INVALID_CONTEXT;
-    if (t_ctx == ctx)
-        t_ctx = NULL;
-    free(ctx);
-    return CUDA_SUCCESS;
-}
+/* ---- contexts: current context ---- */
 
 API CUresult cuCtxSetCurrent(CUcontext ctx)
 {
@@ -609,8 +774,63 @@ static int allocs_take(CUdeviceptr ptr, struct alloc_rec *out)
 }
 
 /* one RM_ALLOC ioctl on nvidiactl in the node's parameter layout (NVOS64 or NVOS21) */
+/* ---- driver model: the traffic the real driver sees, and RM's ledger ----
+ *
+ * Handles (chosen by the caller, as libcuda does): the client 0xc1d00000 | pid (hRoot ==
+ * hObjectNew of its RM_ALLOC), device 0xde000000 | gpu, subdevice 0x5d000000 | gpu, VA
+ * space 0x7a000000 | gpu, memory objects 0xcaf00001 upwards. Device objects take RM's
+ * device instance as deviceId (the state file's device_instance: reversed order, so it
+ * differs from the minor on nodes of two or more GPUs), learnt like libcuda does: CARD_INFO
+ * gives (gpu_id, minor) of every GPU, NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 turns gpu_id
+ * into the device instance.
+ *
+ * No kernel driver runs (the nodes are /dev/null and /dev/zero), so the stub is the
+ * driver: it writes RM's answer -- status, the rounded size, the heap totals, the control's
+ * output -- into the parameters BEFORE it issues the syscall. A probe that reads the
+ * parameters at syscall exit (as it must on a real GPU, where RM writes them during the
+ * call) sees the answer; one that reads them at entry sees it too, which the real driver
+ * would not show it.
+ *
+ * Sizes (RM's page sizes): an object of 2 MiB or more is rounded up to a multiple of
+ * 2 MiB, a smaller one to a multiple of 64 KiB. NVML's per-process used memory is the
+ * sum of the process's live memory objects at those sizes (context memory included;
+ * chunks, not the cuMemAllocs carved from them) plus its resident managed memory.
+ */
+#define RM_BIG_PAGE_BYTES (2ULL << 20)
+#define RM_SMALL_PAGE_BYTES (64ULL << 10)
+#define UVM_CHUNK_BYTES (2ULL << 20)    /* managed memory is resident in 2 MiB chunks */
+#define CARVE_ALIGN_BYTES 512ULL        /* cuMemAlloc alignment inside a chunk */
+#define CONTEXT_OBJECT_MAX_BYTES (2ULL << 20) /* context memory: objects of at most 2 MiB */
+
+static uint64_t round_up(uint64_t v, uint64_t to)
+{
+    return (v + to - 1) / to * to;
+}
+
+static uint64_t rm_rounded_size(uint64_t bytes)
+{
+    return round_up(bytes, bytes >= RM_BIG_PAGE_BYTES ? RM_BIG_PAGE_BYTES : RM_SMALL_PAGE_BYTES);
+}
+
+static uint32_t device_handle(int phys)
+{
+    return 0xde000000u | (uint32_t)phys;
+}
+
+static uint32_t subdevice_handle(int phys)
+{
+    return 0x5d000000u | (uint32_t)phys;
+}
+
+static uint32_t vaspace_handle(int phys)
+{
+    return 0x7a000000u | (uint32_t)phys;
+}
+
+/* one RM_ALLOC ioctl on nvidiactl in the node's parameter layout (NVOS64 or NVOS21),
+ * with RM's `status` already written */
 static void rm_alloc(uint32_t h_root, uint32_t h_parent, uint32_t h_new, uint32_t h_class, void *params,
-                     uint32_t params_size)
+                     uint32_t params_size, uint32_t status)
 {
     if (g_ctl_fd < 0)
         return;
@@ -623,6 +843,7 @@ static void rm_alloc(uint32_t h_root, uint32_t h_parent, uint32_t h_new, uint32_
         p.hClass = h_class;
         p.pAllocParms = (uint64_t)(uintptr_t)params;
         p.paramsSize = params_size;
+        p.status = status;
         (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_ALLOC, NVOS21_PARAMETERS), &p);
     } else {
         NVOS64_PARAMETERS p;
@@ -633,120 +854,563 @@ static void rm_alloc(uint32_t h_root, uint32_t h_parent, uint32_t h_new, uint32_
         p.hClass = h_class;
         p.pAllocParms = (uint64_t)(uintptr_t)params;
         p.paramsSize = params_size;
+        p.status = status;
         (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_ALLOC, NVOS64_PARAMETERS), &p);
     }
 }
 
-static uint32_t device_handle(int phys)
-{
-    return 0xde000000u | (uint32_t)phys;
-}
-
-static void issue_rm_alloc(uint32_t handle, int phys, uint64_t size)
-{
-    NV_MEMORY_ALLOCATION_PARAMS mp;
-    memset(&mp, 0, sizeof(mp));
-    mp.owner = g_hroot;
-    mp.size = size;
-    rm_alloc(g_hroot, device_handle(phys), handle, NV01_MEMORY_LOCAL_USER, &mp, sizeof(mp));
-}
-
-/* What a real context creation asks the driver for first (when the node enables it):
- * the RM client once per process, then per device an NV01_DEVICE_0 (deviceId) and an
- * NV20_SUBDEVICE_0 under it. Probes map (tgid, hRoot, hDevice) to a GPU from these. */
-static void rm_device_handshake(int phys)
-{
-    if (!g_sim.hdr->rm_device_handles)
-        return;
-    if (!g_client_allocated) {
-        rm_alloc(g_hroot, g_hroot, g_hroot, NV01_ROOT_CLIENT, NULL, 0);
-        g_client_allocated = 1;
-    }
-    if (g_devices_allocated & (1u << phys))
-        return;
-    g_devices_allocated |= 1u << phys;
-    NV0080_ALLOC_PARAMETERS dp;
-    memset(&dp, 0, sizeof(dp));
-    dp.deviceId = g_sim.hdr->devices[phys].minor;
-    rm_alloc(g_hroot, g_hroot, device_handle(phys), NV01_DEVICE_0, &dp, sizeof(dp));
-    NV2080_ALLOC_PARAMETERS sp = {0};
-    rm_alloc(g_hroot, device_handle(phys), 0x5d000000u | (uint32_t)phys, NV20_SUBDEVICE_0, &sp, sizeof(sp));
-}
-
-static void issue_rm_free(uint32_t handle, int phys)
+static void rm_free(uint32_t h_parent, uint32_t h_old)
 {
     if (g_ctl_fd < 0)
         return;
     NVOS00_PARAMETERS p;
     p.hRoot = g_hroot;
-    p.hObjectParent = device_handle(phys);
-    p.hObjectOld = handle;
-    p.status = 0;
+    p.hObjectParent = h_parent;
+    p.hObjectOld = h_old;
+    p.status = NV_OK;
     (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_FREE, NVOS00_PARAMETERS), &p);
 }
 
-static CUresult do_alloc(CUdeviceptr *dptr, size_t bytes)
+static void rm_control(uint32_t h_object, uint32_t cmd, void *params, uint32_t params_size)
+{
+    if (g_ctl_fd < 0)
+        return;
+    NVOS54_PARAMETERS p;
+    memset(&p, 0, sizeof(p));
+    p.hClient = g_hroot;
+    p.hObject = h_object;
+    p.cmd = cmd;
+    p.params = (uint64_t)(uintptr_t)params;
+    p.paramsSize = params_size;
+    p.status = NV_OK;
+    (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_CONTROL, NVOS54_PARAMETERS), &p);
+}
+
+/* The memory-object allocation in the process's chosen path, RM's answer written in:
+ * RM_ALLOC of NV01_MEMORY_LOCAL_USER with NV_MEMORY_ALLOCATION_PARAMS, or
+ * VID_HEAP_CONTROL ALLOC_SIZE (NVOS32, LOCATION VIDMEM) -- which makes the same object. */
+static void issue_mem_alloc(uint32_t handle, int phys, uint64_t requested, uint64_t rounded, uint32_t status)
+{
+    if (g_ctl_fd < 0)
+        return;
+    if (g_cfg.alloc_path == PATH_VID_HEAP) {
+        NVOS32_PARAMETERS p;
+        memset(&p, 0, sizeof(p));
+        p.hRoot = g_hroot;
+        p.hObjectParent = device_handle(phys);
+        p.function = NVOS32_FUNCTION_ALLOC_SIZE;
+        p.hVASpace = 0;
+        p.status = status;
+        uint64_t total = g_sim.hdr->devices[phys].memory_total_bytes;
+        uint64_t used = g_slot >= 0 ? g_sim.hdr->procs[g_slot].memory_bytes[phys] : 0;
+        p.total = total;
+        p.free = used < total ? total - used : 0; /* approximate: this process's view */
+        p.data.AllocSize.owner = g_hroot;
+        p.data.AllocSize.hMemory = handle;
+        p.data.AllocSize.type = NVOS32_TYPE_IMAGE;
+        p.data.AllocSize.flags = NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED;
+        p.data.AllocSize.attr = NVOS32_ATTR_LOCATION_VIDMEM << 25;
+        p.data.AllocSize.size = status == NV_OK ? rounded : requested;
+        p.data.AllocSize.offset = status == NV_OK ? (uint64_t)(handle & 0xfffffu) << 21 : 0;
+        p.data.AllocSize.limit = status == NV_OK ? rounded - 1 : 0;
+        (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_VID_HEAP_CONTROL, NVOS32_PARAMETERS), &p);
+        return;
+    }
+    NV_MEMORY_ALLOCATION_PARAMS mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.owner = g_hroot;
+    mp.type = NVOS32_TYPE_IMAGE;
+    mp.attr = NVOS32_ATTR_LOCATION_VIDMEM << 25;
+    mp.size = status == NV_OK ? rounded : requested;
+    mp.limit = status == NV_OK ? rounded - 1 : 0;
+    rm_alloc(g_hroot, device_handle(phys), handle, NV01_MEMORY_LOCAL_USER, &mp, sizeof(mp), status);
+}
+
+static void issue_mem_free(uint32_t handle, int phys)
+{
+    if (g_cfg.alloc_path == PATH_VID_HEAP) {
+        if (g_ctl_fd < 0)
+            return;
+        NVOS32_PARAMETERS p;
+        memset(&p, 0, sizeof(p));
+        p.hRoot = g_hroot;
+        p.hObjectParent = device_handle(phys);
+        p.function = NVOS32_FUNCTION_FREE;
+        p.status = NV_OK;
+        p.data.Free.owner = g_hroot;
+        p.data.Free.hMemory = handle;
+        p.data.Free.flags = NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED;
+        (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_VID_HEAP_CONTROL, NVOS32_PARAMETERS), &p);
+        return;
+    }
+    rm_free(device_handle(phys), handle);
+}
+
+/* nvidiactl open, and CARD_INFO on it: every GPU's gpu_id and minor (g_lock held) */
+static void ensure_ctl_locked(void)
+{
+    if (g_ctl_fd >= 0)
+        return;
+    char path[SIM_PATH_LEN + 32];
+    snprintf(path, sizeof(path), "%s/dev/nvidiactl", g_sim.hdr->root);
+    g_ctl_fd = open(path, O_RDWR | O_CLOEXEC);
+    if (g_ctl_fd < 0)
+        return;
+    nv_ioctl_card_info_t cards[NV_MAX_CARDS];
+    memset(cards, 0, sizeof(cards));
+    for (uint32_t i = 0; i < g_sim.hdr->device_count && i < NV_MAX_CARDS; i++) {
+        const struct sim_device *d = &g_sim.hdr->devices[i];
+        cards[i].valid = 1;
+        cards[i].bus = (uint8_t)d->pci_bus;
+        cards[i].vendor_id = 0x10de;
+        cards[i].gpu_id = d->gpu_id;
+        cards[i].fb_size = d->memory_total_bytes;
+        cards[i].minor_number = d->minor;
+    }
+    (void)ioctl(g_ctl_fd, _IOWR(NV_IOCTL_MAGIC, NV_ESC_CARD_INFO, nv_ioctl_card_info_t[NV_MAX_CARDS]), cards);
+}
+
+/* the RM client of this process (g_lock held) */
+static void ensure_client_locked(void)
+{
+    ensure_ctl_locked();
+    if (g_client_allocated)
+        return;
+    g_hroot = 0xc1d00000u | ((uint32_t)g_self.ns_pid & 0xfffffu);
+    rm_alloc(g_hroot, g_hroot, g_hroot, NV01_ROOT_CLIENT, NULL, 0, NV_OK);
+    g_client_allocated = 1;
+}
+
+/* ---- the ledger (RM's per-process accounting, in the shared state) ---- */
+
+struct ledger_delta {
+    int64_t rm_bytes, rm_objects, context_bytes, managed_bytes, requested_bytes, allocations;
+};
+
+/* Apply a change to this process's ledger on `phys`. With `check_room`, refuse (-1) when
+ * the memory it adds does not fit on the device; -2 when no process slot is left. */
+static int ledger_apply(int phys, const struct ledger_delta *d, int check_room)
+{
+    sim_lock(&g_sim, 1);
+    int slot = claim_slot_locked();
+    if (slot < 0) {
+        sim_unlock(&g_sim);
+        return -2;
+    }
+    if (check_room) {
+        uint64_t grow = (uint64_t)(d->rm_bytes > 0 ? d->rm_bytes : 0) +
+                        (uint64_t)(d->managed_bytes > 0 ? d->managed_bytes : 0);
+        uint64_t used = sim_device_used_bytes(&g_sim, phys, &g_self, 1);
+        if (grow && used + grow > g_sim.hdr->devices[phys].memory_total_bytes) {
+            sim_unlock(&g_sim);
+            return -1;
+        }
+    }
+    struct sim_proc *p = &g_sim.hdr->procs[slot];
+    p->rm_memory_bytes[phys] += (uint64_t)d->rm_bytes;
+    p->rm_objects[phys] += (uint64_t)d->rm_objects;
+    p->context_bytes[phys] += (uint64_t)d->context_bytes;
+    p->managed_bytes[phys] += (uint64_t)d->managed_bytes;
+    p->requested_bytes[phys] += (uint64_t)d->requested_bytes;
+    p->allocations[phys] += (uint64_t)d->allocations;
+    p->memory_bytes[phys] = p->rm_memory_bytes[phys] + p->managed_bytes[phys];
+    sim_unlock(&g_sim);
+    return 0;
+}
+
+/* ---- RM memory objects of this process (g_lock held) ---- */
+
+static struct rm_mem *mem_add(uint32_t handle, int phys, int kind, uint64_t size)
+{
+    if (g_mem_count == g_mem_cap) {
+        size_t cap = g_mem_cap ? g_mem_cap * 2 : 64;
+        struct rm_mem *n = realloc(g_mem, cap * sizeof(*n));
+        if (!n)
+            return NULL;
+        g_mem = n;
+        g_mem_cap = cap;
+    }
+    struct rm_mem *m = &g_mem[g_mem_count++];
+    memset(m, 0, sizeof(*m));
+    m->handle = handle;
+    m->phys = phys;
+    m->kind = kind;
+    m->size = size;
+    return m;
+}
+
+static struct rm_mem *mem_find(uint32_t handle)
+{
+    for (size_t i = 0; i < g_mem_count; i++)
+        if (g_mem[i].handle == handle)
+            return &g_mem[i];
+    return NULL;
+}
+
+static void mem_remove(struct rm_mem *m)
+{
+    *m = g_mem[--g_mem_count];
+}
+
+/* A new memory object of `requested` bytes on `phys`: ledger first (RM refuses what does
+ * not fit, and says so in the status it writes back), then the driver call. Returns its
+ * handle, 0 when the device is full (CUDA_ERROR_OUT_OF_MEMORY), or sets *err. */
+static uint32_t mem_create(int phys, int kind, uint64_t requested, CUresult *err)
+{
+    uint64_t rounded = rm_rounded_size(requested);
+    struct ledger_delta d = {0};
+    d.rm_bytes = (int64_t)rounded;
+    d.rm_objects = 1;
+    d.context_bytes = kind == MEM_CONTEXT ? (int64_t)rounded : 0;
+    uint32_t handle = g_next_handle++;
+    int rc = ledger_apply(phys, &d, 1);
+    if (rc < 0) {
+        if (rc == -1)
+            issue_mem_alloc(handle, phys, requested, rounded, NV_ERR_NO_MEMORY);
+        *err = rc == -1 ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
+        return 0;
+    }
+    if (!mem_add(handle, phys, kind, rounded)) {
+        struct ledger_delta undo = {-(int64_t)rounded, -1, -d.context_bytes, 0, 0, 0};
+        ledger_apply(phys, &undo, 0);
+        *err = CUDA_ERROR_OUT_OF_MEMORY;
+        return 0;
+    }
+    issue_mem_alloc(handle, phys, requested, rounded, NV_OK);
+    return handle;
+}
+
+/* free one memory object by handle (cuMemFree of its last user) */
+static void mem_destroy(struct rm_mem *m)
+{
+    issue_mem_free(m->handle, m->phys);
+    struct ledger_delta d = {0};
+    d.rm_bytes = -(int64_t)m->size;
+    d.rm_objects = -1;
+    d.context_bytes = m->kind == MEM_CONTEXT ? -(int64_t)m->size : 0;
+    int phys = m->phys;
+    mem_remove(m);
+    ledger_apply(phys, &d, 0);
+}
+
+/* ---- contexts ---- */
+
+static void open_nodes(int phys)
+{
+    char path[SIM_PATH_LEN + 32];
+    const char *root = g_sim.hdr->root;
+    if (g_dev_fd[phys] < 0) {
+        snprintf(path, sizeof(path), "%s/dev/nvidia%u", root, g_sim.hdr->devices[phys].minor);
+        g_dev_fd[phys] = open(path, O_RDWR | O_CLOEXEC);
+    }
+    if (g_uvm_fd < 0) {
+        snprintf(path, sizeof(path), "%s/dev/nvidia-uvm", root);
+        g_uvm_fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+}
+
+/* What a context creation asks the driver for on a device the process has no objects on
+ * yet: the device instance of its gpu_id (GET_ID_INFO_V2), NV01_DEVICE_0 (deviceId = that
+ * instance), NV20_SUBDEVICE_0 and a FERMI_VASPACE_A under it, then the context's own
+ * memory (GPUWATCH_SIM_CONTEXT_MIB, as objects of at most 2 MiB). g_lock held. */
+static CUresult device_setup_locked(int phys)
+{
+    ensure_client_locked();
+    if (g_devices_allocated & (1u << phys))
+        return CUDA_SUCCESS;
+    const struct sim_device *dev = &g_sim.hdr->devices[phys];
+    NV0000_CTRL_GPU_GET_ID_INFO_V2_PARAMS id;
+    memset(&id, 0, sizeof(id));
+    id.gpuId = dev->gpu_id;
+    id.deviceInstance = dev->device_instance; /* RM's answer, written before the call */
+    id.subDeviceInstance = 0;
+    id.numaId = -1;
+    rm_control(g_hroot, NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2, &id, sizeof(id));
+    NV0080_ALLOC_PARAMETERS dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.deviceId = id.deviceInstance;
+    dp.hClientShare = g_hroot;
+    rm_alloc(g_hroot, g_hroot, device_handle(phys), NV01_DEVICE_0, &dp, sizeof(dp), NV_OK);
+    NV2080_ALLOC_PARAMETERS sp = {0};
+    rm_alloc(g_hroot, device_handle(phys), subdevice_handle(phys), NV20_SUBDEVICE_0, &sp, sizeof(sp), NV_OK);
+    NV_VASPACE_ALLOCATION_PARAMETERS vp;
+    memset(&vp, 0, sizeof(vp));
+    rm_alloc(g_hroot, device_handle(phys), vaspace_handle(phys), FERMI_VASPACE_A, &vp, sizeof(vp), NV_OK);
+    g_devices_allocated |= 1u << phys;
+    for (uint64_t left = g_cfg.context_bytes; left > 0;) {
+        uint64_t piece = left < CONTEXT_OBJECT_MAX_BYTES ? left : CONTEXT_OBJECT_MAX_BYTES;
+        CUresult err = CUDA_SUCCESS;
+        if (!mem_create(phys, MEM_CONTEXT, piece, &err))
+            return err;
+        left -= piece;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* The objects of `phys` are gone from RM (their parent was freed, or the client, or the
+ * fd): drop this process's allocations there and their share of the ledger. No ioctl. */
+static void device_forget_locked(int phys)
+{
+    struct ledger_delta d = {0};
+    for (size_t i = 0; i < g_alloc_cap; i++) {
+        struct alloc_rec *r = &g_allocs[i];
+        if (r->ptr <= 1 || r->phys != phys)
+            continue;
+        if (r->kind == REC_MANAGED) {
+            munmap((void *)(uintptr_t)r->ptr, r->charged);
+            d.managed_bytes -= (int64_t)r->charged;
+        }
+        d.requested_bytes -= (int64_t)r->size;
+        r->ptr = 1; /* tombstone */
+        g_alloc_used--;
+    }
+    for (size_t i = 0; i < g_mem_count;) {
+        struct rm_mem *m = &g_mem[i];
+        if (m->phys != phys) {
+            i++;
+            continue;
+        }
+        d.rm_bytes -= (int64_t)m->size;
+        d.rm_objects -= 1;
+        if (m->kind == MEM_CONTEXT)
+            d.context_bytes -= (int64_t)m->size;
+        mem_remove(m);
+    }
+    g_devices_allocated &= ~(1u << phys);
+    ledger_apply(phys, &d, 0);
+    if (g_slot >= 0)
+        __atomic_fetch_and(&g_sim.hdr->procs[g_slot].context_mask, ~(1u << phys), __ATOMIC_RELAXED);
+}
+
+API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
+{
+    (void)flags;
+    CUresult r = ensure_init();
+    if (r)
+        return r;
+    int p = phys_of(d);
+    if (p < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (g_sim.hdr->devices[p].lost)
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    struct sim_ctx *c = calloc(1, sizeof(*c));
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    int slot = ensure_slot();
+    if (slot < 0) {
+        pthread_mutex_unlock(&g_lock);
+        free(c);
+        return CUDA_ERROR_UNKNOWN;
+    }
+    open_nodes(p);
+    r = device_setup_locked(p);
+    if (r != CUDA_SUCCESS) {
+        /* the context's own memory did not fit: undo the device as libcuda would */
+        if (g_ctx_count[p] == 0) {
+            rm_free(g_hroot, device_handle(p));
+            device_forget_locked(p);
+        }
+        pthread_mutex_unlock(&g_lock);
+        free(c);
+        return r;
+    }
+    g_ctx_count[p]++;
+    __atomic_fetch_or(&g_sim.hdr->procs[slot].context_mask, 1u << p, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&g_lock);
+    c->ordinal = d;
+    c->phys = p;
+    *pctx = c;
+    t_ctx = c;
+    return CUDA_SUCCESS;
+}
+
+static int contexts_left_locked(void)
+{
+    int n = 0;
+    for (int i = 0; i < SIM_MAX_DEVICES; i++)
+        n += g_ctx_count[i];
+    return n;
+}
+
+/*
+ * The last context on a device frees the device object (RM frees its subdevice, VA
+ * space, context memory and every allocation under it). The last context of the process
+ * ends the client as GPUWATCH_SIM_CTX_TEARDOWN says: free-device (the client stays,
+ * empty), free-client (RM_FREE of the client with its last device still allocated: RM
+ * frees everything under it) or close-fd (nvidiactl is closed with everything still
+ * allocated: RM frees the client on close). A process that exits frees everything too.
+ */
+API CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    if (!ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    int phys = ctx->phys;
+    pthread_mutex_lock(&g_lock);
+    if (phys < 0 || phys >= SIM_MAX_DEVICES || g_ctx_count[phys] <= 0) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (--g_ctx_count[phys] == 0) {
+        int last = contexts_left_locked() == 0;
+        if (last && g_cfg.teardown == TEARDOWN_CLOSE_FD) {
+            if (g_ctl_fd >= 0)
+                close(g_ctl_fd);
+            g_ctl_fd = -1;
+            g_client_allocated = 0;
+            for (int i = 0; i < SIM_MAX_DEVICES; i++)
+                if (g_devices_allocated & (1u << i))
+                    device_forget_locked(i);
+        } else if (last && g_cfg.teardown == TEARDOWN_FREE_CLIENT) {
+            rm_free(g_hroot, g_hroot);
+            g_client_allocated = 0;
+            for (int i = 0; i < SIM_MAX_DEVICES; i++)
+                if (g_devices_allocated & (1u << i))
+                    device_forget_locked(i);
+        } else {
+            rm_free(g_hroot, device_handle(phys));
+            device_forget_locked(phys);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (t_ctx == ctx)
+        t_ctx = NULL;
+    free(ctx);
+    return CUDA_SUCCESS;
+}
+
+/* ---- allocations ---- */
+
+static CUdeviceptr next_fake_va(uint64_t bytes)
+{
+    CUdeviceptr p = g_next_va;
+    g_next_va += round_up(bytes, 2u << 20) + (2u << 20);
+    return p;
+}
+
+/* cuMemAlloc through the driver: its own memory object, or carved from a chunk
+ * (GPUWATCH_SIM_SUBALLOC_MIB; a chunk is allocated when none has room, freed when empty;
+ * a counting allocator: no fragmentation is modelled). g_lock held. */
+static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *rec)
+{
+    CUresult err = CUDA_SUCCESS;
+    rec->phys = phys;
+    rec->size = bytes;
+    if (g_cfg.suballoc_bytes && bytes <= g_cfg.suballoc_bytes) {
+        uint64_t carve = round_up(bytes, CARVE_ALIGN_BYTES);
+        struct rm_mem *chunk = NULL;
+        for (size_t i = 0; i < g_mem_count && !chunk; i++)
+            if (g_mem[i].kind == MEM_CHUNK && g_mem[i].phys == phys && g_mem[i].size - g_mem[i].carved >= carve)
+                chunk = &g_mem[i];
+        if (!chunk) {
+            uint32_t h = mem_create(phys, MEM_CHUNK, g_cfg.suballoc_bytes, &err);
+            if (!h)
+                return err;
+            chunk = mem_find(h);
+        }
+        chunk->carved += carve;
+        chunk->users++;
+        rec->kind = REC_CARVED;
+        rec->handle = chunk->handle;
+        rec->charged = carve;
+    } else {
+        uint32_t h = mem_create(phys, MEM_DIRECT, bytes, &err);
+        if (!h)
+            return err;
+        rec->kind = REC_DIRECT;
+        rec->handle = h;
+        rec->charged = 0;
+    }
+    rec->ptr = next_fake_va(bytes);
+    struct ledger_delta d = {0};
+    d.requested_bytes = (int64_t)bytes;
+    d.allocations = 1;
+    ledger_apply(phys, &d, 0);
+    return CUDA_SUCCESS;
+}
+
+/* cuMemAllocManaged: no RM object. nvidia-uvm is initialised once (UVM_INITIALIZE) and
+ * the range is an mmap of the uvm fd; its pages are resident on the device, all of them
+ * from the allocation on (rounded up to UVM's 2 MiB chunks; no migration or eviction is
+ * modelled, so a range that does not fit fails with CUDA_ERROR_OUT_OF_MEMORY). g_lock held. */
+static CUresult alloc_managed_locked(int phys, uint64_t bytes, struct alloc_rec *rec)
+{
+    if (g_uvm_fd < 0)
+        return CUDA_ERROR_UNKNOWN;
+    if (!g_uvm_initialized) {
+        UVM_INITIALIZE_PARAMS ip;
+        memset(&ip, 0, sizeof(ip));
+        ip.rmStatus = NV_OK;
+        (void)ioctl(g_uvm_fd, UVM_INITIALIZE, &ip);
+        g_uvm_initialized = 1;
+    }
+    uint64_t len = round_up(bytes, UVM_CHUNK_BYTES);
+    struct ledger_delta d = {0};
+    d.managed_bytes = (int64_t)len;
+    d.requested_bytes = (int64_t)bytes;
+    d.allocations = 1;
+    int rc = ledger_apply(phys, &d, 1);
+    if (rc < 0)
+        return rc == -1 ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_UNKNOWN;
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, g_uvm_fd, 0);
+    if (m == MAP_FAILED) {
+        struct ledger_delta undo = {0, 0, 0, -(int64_t)len, -(int64_t)bytes, -1};
+        ledger_apply(phys, &undo, 0);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    rec->ptr = (CUdeviceptr)(uintptr_t)m;
+    rec->size = bytes;
+    rec->charged = len;
+    rec->handle = 0;
+    rec->phys = phys;
+    rec->kind = REC_MANAGED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult do_alloc(CUdeviceptr *dptr, size_t bytes, int managed)
 {
     if (!t_ctx)
         return CUDA_ERROR_INVALID_CONTEXT;
     if (!dptr || bytes == 0)
         return CUDA_ERROR_INVALID_VALUE;
     int phys = t_ctx->phys;
-    struct sim_device *dev = &g_sim.hdr->devices[phys];
-    if (dev->lost)
+    if (g_sim.hdr->devices[phys].lost)
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
     pthread_mutex_lock(&g_lock);
-    sim_lock(&g_sim, 1);
-    int slot = claim_slot_locked();
-    if (slot < 0) {
-        sim_unlock(&g_sim);
+    if (ensure_slot() < 0 || !(g_devices_allocated & (1u << phys))) {
         pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_UNKNOWN;
+        return ensure_slot() < 0 ? CUDA_ERROR_UNKNOWN : CUDA_ERROR_INVALID_CONTEXT;
     }
-    uint64_t used = sim_device_used_bytes(&g_sim, phys, &g_self, 1);
-    if (used + bytes > dev->memory_total_bytes) {
-        sim_unlock(&g_sim);
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    struct sim_proc *p = &g_sim.hdr->procs[slot];
-    p->memory_bytes[phys] += bytes;
-    p->allocations[phys] += 1;
-    sim_unlock(&g_sim);
     struct alloc_rec rec;
-    rec.ptr = g_next_va;
-    rec.size = bytes;
-    rec.handle = g_next_handle++;
-    rec.phys = phys;
-    g_next_va += ((bytes + (2u << 20) - 1) & ~((uint64_t)(2u << 20) - 1)) + (2u << 20);
-    if (allocs_put(rec) < 0) {
-        sim_lock(&g_sim, 1);
-        p->memory_bytes[phys] -= bytes;
-        sim_unlock(&g_sim);
+    memset(&rec, 0, sizeof(rec));
+    CUresult r = managed ? alloc_managed_locked(phys, bytes, &rec) : alloc_driver_locked(phys, bytes, &rec);
+    if (r == CUDA_SUCCESS && allocs_put(rec) < 0) {
         pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return CUDA_ERROR_OUT_OF_MEMORY; /* process-local table: practically never */
     }
     pthread_mutex_unlock(&g_lock);
-    issue_rm_alloc(rec.handle, phys, bytes);
-    *dptr = rec.ptr;
-    return CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS)
+        *dptr = rec.ptr;
+    return r;
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
 {
-    return do_alloc(dptr, bytes);
+    return do_alloc(dptr, bytes, 0);
 }
 
 API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags)
 {
     (void)flags;
-    return do_alloc(dptr, bytes);
+    return do_alloc(dptr, bytes, 1);
 }
 
 API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
 {
     (void)s;
-    return do_alloc(dptr, bytes);
+    return do_alloc(dptr, bytes, 0);
 }
 
 API CUresult cuMemFree_v2(CUdeviceptr ptr)
@@ -760,12 +1424,23 @@ API CUresult cuMemFree_v2(CUdeviceptr ptr)
         return CUDA_ERROR_INVALID_VALUE;
     }
     g_alloc_used--;
-    sim_lock(&g_sim, 1);
-    struct sim_proc *p = &g_sim.hdr->procs[g_slot];
-    p->memory_bytes[rec.phys] -= rec.size;
-    sim_unlock(&g_sim);
+    struct ledger_delta d = {0};
+    d.requested_bytes = -(int64_t)rec.size;
+    if (rec.kind == REC_MANAGED) {
+        munmap((void *)(uintptr_t)rec.ptr, rec.charged);
+        d.managed_bytes = -(int64_t)rec.charged;
+    } else {
+        struct rm_mem *m = mem_find(rec.handle);
+        if (m && rec.kind == REC_CARVED) {
+            m->carved -= rec.charged;
+            if (--m->users == 0)
+                mem_destroy(m);
+        } else if (m) {
+            mem_destroy(m);
+        }
+    }
+    ledger_apply(rec.phys, &d, 0);
     pthread_mutex_unlock(&g_lock);
-    issue_rm_free(rec.handle, rec.phys);
     return CUDA_SUCCESS;
 }
 

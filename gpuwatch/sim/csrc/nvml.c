@@ -1601,6 +1601,10 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
         snprintf(d->pci_bus_id, sizeof(d->pci_bus_id), "00000000:%02X:00.0", d->pci_bus);
         d->memory_total_bytes = memory_bytes;
         d->minor = i;
+        /* RM numbers device instances in its own order: reversed here, so instance !=
+         * minor on every node with more than one GPU (cuda.c "driver model") */
+        d->device_instance = device_count - 1 - i;
+        d->gpu_id = d->pci_bus << 8;
         d->power_limit_mw = 700000;
         d->cc_major = 9;
         d->cc_minor = 0;
@@ -1872,6 +1876,11 @@ struct gpuwatchsim_proc_info {
     uint64_t busy_ns_total;
     uint64_t launches;
     uint64_t engine_wait_ns_total;
+    uint64_t rm_memory_bytes;
+    uint64_t rm_objects;
+    uint64_t context_bytes;
+    uint64_t managed_bytes;
+    uint64_t requested_bytes;
 };
 
 /* List live (process, device) pairs with a context or memory. Returns the number of
@@ -1912,6 +1921,11 @@ API int gpuwatchsim_list(const char *path, struct gpuwatchsim_proc_info *out, un
             o->busy_ns_total = __atomic_load_n(&p->busy_ns_total[dv], __ATOMIC_RELAXED);
             o->launches = __atomic_load_n(&p->launches[dv], __ATOMIC_RELAXED);
             o->engine_wait_ns_total = __atomic_load_n(&p->engine_wait_ns_total[dv], __ATOMIC_RELAXED);
+            o->rm_memory_bytes = p->rm_memory_bytes[dv];
+            o->rm_objects = p->rm_objects[dv];
+            o->context_bytes = p->context_bytes[dv];
+            o->managed_bytes = p->managed_bytes[dv];
+            o->requested_bytes = p->requested_bytes[dv];
         }
     }
     flock(h.fd, LOCK_UN);
@@ -1933,6 +1947,8 @@ struct gpuwatchsim_device_info {
     uint32_t remap_failure;
     uint32_t remapped_rows_unc;
     uint32_t remap_pending;
+    uint32_t device_instance;
+    uint32_t gpu_id;
 };
 
 /* Static facts, utilisation and fault state of one device. Returns 0 or -errno. */
@@ -1959,6 +1975,8 @@ API int gpuwatchsim_device(const char *path, unsigned device, struct gpuwatchsim
     out->remap_failure = d->remap_failure;
     out->remapped_rows_unc = d->remapped_rows_unc;
     out->remap_pending = d->remap_pending;
+    out->device_instance = d->device_instance;
+    out->gpu_id = d->gpu_id;
     uint64_t now = sim_realtime_ns();
     flock(h.fd, LOCK_SH);
     out->utilization_percent = util_pct_of(&h, (int)device, now - UTIL_WINDOW_NS, now);

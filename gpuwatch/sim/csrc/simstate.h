@@ -60,7 +60,8 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x314d495357505447ULL /* "GTPWSIM1" little-endian */
-#define SIM_LAYOUT_VERSION 3u /* 2: topology, row remapping, kmsg sequence; 3: execution engine */
+#define SIM_LAYOUT_VERSION 4u /* 2: topology, row remapping, kmsg sequence; 3: execution engine;
+                                 4: RM memory ledger (objects, managed, context), device instances */
 
 #define SIM_MAX_DEVICES 8
 #define SIM_MAX_PROCS 1024
@@ -120,6 +121,12 @@ struct sim_device {
     uint32_t remapped_rows_corr, remapped_rows_unc;
     uint32_t remap_pending;       /* a remap waits for the next GPU reset (`clear`) */
     uint32_t remap_failure;       /* 1 after `sim fault row-remap-failure` */
+    /* RM's view (see cuda.c "driver model"): the device instance NV0080's deviceId names
+     * (numbered differently from minors: reversed order, so a probe that takes a
+     * deviceId for a minor lands on the wrong GPU) and the gpu_id CARD_INFO and
+     * NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 report (pci_bus << 8) */
+    uint32_t device_instance;
+    uint32_t gpu_id;
 };
 
 /* one busy bucket: high 32 bits = bucket epoch (low 32 bits of realtime_ns /
@@ -134,8 +141,19 @@ struct sim_proc {
     uint64_t generation;          /* bumps at every claim */
     uint32_t context_mask;        /* devices this process created a context on */
     uint32_t last_busy_epoch;     /* low 32 bits of the last bucket epoch it credited */
+    /* NVML's per-process used memory, RM's rule: rm_memory_bytes + managed_bytes */
     uint64_t memory_bytes[SIM_MAX_DEVICES];
-    uint64_t allocations[SIM_MAX_DEVICES];
+    uint64_t allocations[SIM_MAX_DEVICES];    /* cuMemAlloc* calls that succeeded */
+    /* the parts of memory_bytes (diagnostics; `gpuwatch sim status`, tests):
+     * live class-0x40 memory objects at the sizes RM wrote back (context memory,
+     * one object per cuMemAlloc or suballocation chunks), their count, the context's
+     * share of them, resident managed memory (nvidia-uvm, no RM object), and the
+     * sizes the program asked cuMemAlloc* for (live allocations) */
+    uint64_t rm_memory_bytes[SIM_MAX_DEVICES];
+    uint64_t rm_objects[SIM_MAX_DEVICES];
+    uint64_t context_bytes[SIM_MAX_DEVICES];
+    uint64_t managed_bytes[SIM_MAX_DEVICES];
+    uint64_t requested_bytes[SIM_MAX_DEVICES];
     uint64_t busy_ns_total[SIM_MAX_DEVICES];  /* atomic */
     uint64_t launches[SIM_MAX_DEVICES];       /* atomic */
     sim_bucket_t buckets[SIM_MAX_DEVICES][SIM_BUCKETS]; /* atomic */
@@ -182,7 +200,7 @@ struct sim_header {
     uint32_t cuda_driver_version; /* 12040 */
     uint32_t rm_alloc_params;     /* SIM_RMALLOC_* */
     uint32_t proc_high_water;     /* slots [0, high_water) may be in use */
-    uint32_t rm_device_handles;   /* 1: contexts RM_ALLOC a client, device and subdevice */
+    uint32_t rm_device_handles;   /* unused since layout 4: contexts always allocate their objects */
     uint64_t event_seq;           /* last event seq written */
     uint32_t topology;            /* SIM_TOPO_* */
     uint32_t pad0;
