@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from gpuwatch.containers.cgroupfs import discover_mounts
+
 KERNEL_HEADERS_FALLBACK = "/opt/gpuwatch/kernel-headers/current"
 
 
@@ -117,28 +119,9 @@ def check_btf(roots: HostRoots = HostRoots()) -> Check:
 
 
 def cgroup_mode(proc_root: str = "/proc") -> tuple[str, str | None]:
-    """('v2'|'hybrid'|'v1'|'none', cgroup2 mount point or None) from mountinfo."""
-    v2_mount: str | None = None
-    has_v1 = False
-    try:
-        text = Path(proc_root, "self/mountinfo").read_text()
-    except OSError:
-        return "none", None
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        fstype = right.split(" ", 1)[0]
-        mount_point = left.split(" ")[4] if len(left.split(" ")) > 4 else ""
-        if fstype == "cgroup2" and v2_mount is None:
-            v2_mount = mount_point
-        elif fstype == "cgroup":
-            has_v1 = True
-    if v2_mount and has_v1:
-        return "hybrid", v2_mount
-    if v2_mount:
-        return "v2", v2_mount
-    return ("v1", None) if has_v1 else ("none", None)
+    """('v2'|'hybrid'|'v1'|'none', cgroup2 mount point or None), from containers/cgroupfs.py."""
+    mounts = discover_mounts(proc_root)
+    return mounts.mode, mounts.unified
 
 
 def check_cgroups(roots: HostRoots = HostRoots()) -> Check:

@@ -8,8 +8,15 @@ itself a docker container) resolve to the innermost container, not the node.
 Kubernetes pod cgroups are recognised separately (both kubelet cgroup drivers, every QoS
 class) to fill in the pod UID and QoS class; the UID is normalised to its dashed form.
 
+Runtime helpers (CRI-O / podman conmon) are marked role=monitor and carry no container id:
+they are not the container. Login sessions, a user's systemd instance and terminal scopes
+(user.slice, session-N.scope, vte-spawn-<uuid>.scope) are runtime "host" with their path.
+Paths read in another cgroup namespace may start with '..' and lack the upper levels
+(kubepods, QoS): a pod directory right after the '..' still counts as a pod.
+
 Anything that matches nothing is kept, never dropped: "/" is the host, ``*.service`` /
-``*.scope`` / ``*.slice`` are systemd units, the rest is runtime "unknown" with the raw path.
+``*.scope`` / ``*.slice`` / ``*.mount`` are systemd units, the rest is runtime "unknown" with
+the raw path.
 Pod name/namespace/container name are not in the path; see metadata.py.
 """
 
@@ -139,6 +146,8 @@ def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
             if m:
                 return rule.runtime, m.group("id"), rule.role
     if _BARE_ID.match(comp):
+        if "ecs" in comps[:i]:
+            return DOCKER, comp, "container"  # ECS on EC2 (docker): /ecs/<task id>/<id>
         if _under_docker(comps, i):
             return DOCKER, comp, "container"  # docker, cgroupfs driver: /docker/<id>, dind /docker/<outer>/<inner>
         if _POD_DIR.match(parent) or _POD_SLICE.match(parent):
@@ -221,7 +230,7 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
             return ContainerIdentity(runtime=runtime, cgroup_path=path, pod_uid=pod_uid, qos_class=qos,
                                      labels=(("role", role),))
         labels: tuple[tuple[str, str], ...] = ()
-        if runtime == ECS and container_at > 0:
+        if runtime == ECS and container_at > 0 and comps[container_at - 1] != "ecs":
             labels = (("ecs_task", comps[container_at - 1]),)
         return ContainerIdentity(
             runtime=runtime,

@@ -191,6 +191,11 @@ class CgroupMounts:
                 out.append(Path(directory))
         return out
 
+    @classmethod
+    def v2_only(cls, mount_point: str | Path) -> CgroupMounts:
+        """A v2 hierarchy mounted at `mount_point` (a fixture tree, or an injected root)."""
+        return cls((CgroupHierarchy(str(mount_point)),))
+
     def with_unified(self, mount_point: str) -> CgroupMounts:
         """These mounts with the v2 hierarchy replaced (an injected cgroup_root)."""
         rest = tuple(h for h in self.hierarchies if not h.is_v2)

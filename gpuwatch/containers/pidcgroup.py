@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
+from gpuwatch.containers.cgroup_path import normalize_path, parse_cgroup_path
 from gpuwatch.containers.cgroupfs import CgroupMounts, cgroup_dir
 from gpuwatch.containers.procfs import CgroupChoice, CgroupFile, choose_cgroup_path, parse_cgroup_file, read_text
+from gpuwatch.model import ContainerIdentity
 
 
 def placed_cgroup_file(cg: CgroupFile, mounts: CgroupMounts) -> CgroupFile:
@@ -24,6 +26,13 @@ def placed_cgroup_file(cg: CgroupFile, mounts: CgroupMounts) -> CgroupFile:
 def cgroup_choice(text: str, mounts: CgroupMounts) -> CgroupChoice:
     """The identifying cgroup path of a /proc/<pid>/cgroup text, placed in its hierarchy."""
     return choose_cgroup_path(placed_cgroup_file(parse_cgroup_file(text), mounts))
+
+
+def identity_of_cgroup_file(text: str, mounts: CgroupMounts | None = None) -> ContainerIdentity:
+    """Who a process is, from its /proc/<pid>/cgroup text alone (no runtime metadata, no
+    cgroup id): what the resolver starts from. Without mounts, paths stay as printed."""
+    choice = cgroup_choice(text, mounts if mounts is not None else CgroupMounts())
+    return parse_cgroup_path(normalize_path(choice.path))
 
 
 def unified_path_of_pid(pid: int, mounts: CgroupMounts, proc_root: str = "/proc") -> str | None:

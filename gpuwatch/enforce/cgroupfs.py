@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatch.containers import cgroupfs
+from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts
 from gpuwatch.errors import EnforcementError
 
 V2 = "v2"
@@ -24,17 +26,10 @@ V1_FREEZER = "v1-freezer"
 FREEZE_TIMEOUT_S = 2.0
 
 
-def detect_roots(sys_cgroup: str = "/sys/fs/cgroup") -> tuple[Path | None, Path | None]:
-    """(v2 root, v1 freezer root) present on this host."""
-    base = Path(sys_cgroup)
-    if (base / "cgroup.controllers").exists():
-        return base, None
-    v2 = base / "unified"
-    freezer = base / "freezer"
-    return (
-        v2 if (v2 / "cgroup.procs").exists() else None,
-        freezer if (freezer / "freezer.state").exists() or (freezer / "tasks").exists() else None,
-    )
+def detect_roots(mounts: CgroupMounts | None = None) -> tuple[Path | None, Path | None]:
+    """(v2 mount, v1 freezer mount) of this host (containers/cgroupfs.py finds them)."""
+    found = mounts if mounts is not None else discover_mounts()
+    return found.v2, found.v1_controller("freezer")
 
 
 def normalise_cgroup_path(cgroup_path: str) -> str:
@@ -183,8 +178,8 @@ class CgroupHandle:
                 key, _, value = line.partition(" ")
                 if key == "usage_usec":
                     return int(value) / 1e6
-        if self.v1_freezer_dir is not None:
-            acct = self.v1_freezer_dir.parent.parent / "cpuacct" / self.cgroup_path.lstrip("/") / "cpuacct.usage"
+        if self.v1_cpuacct_dir is not None:
+            acct = self.v1_cpuacct_dir / "cpuacct.usage"
             if acct.exists():
                 return int(acct.read_text()) / 1e9
         return sum(process_cpu_seconds(pid) for pid in self.pids())
@@ -212,7 +207,11 @@ def _write(path: Path, value: str) -> None:
 
 
 class CgroupTree:
-    """Resolves cgroup paths (as in ContainerIdentity.cgroup_path) to handles."""
+    """Resolves cgroup paths (hierarchy paths, as in ContainerIdentity.cgroup_path) to handles.
+
+    By default the mounts come from containers/cgroupfs.py, so a path is a hierarchy path
+    even when the agent runs in its own cgroup namespace; explicit roots are for fixtures.
+    """
 
     def __init__(
         self,
@@ -220,10 +219,17 @@ class CgroupTree:
         v1_freezer_root: Path | str | None = None,
         *,
         autodetect: bool = True,
+        mounts: CgroupMounts | None = None,
     ) -> None:
-        detected = detect_roots() if autodetect and v2_root is None and v1_freezer_root is None else (None, None)
+        explicit = v2_root is not None or v1_freezer_root is not None
+        found = mounts if mounts is not None else (discover_mounts() if autodetect and not explicit else None)
+        detected = detect_roots(found) if found is not None else (None, None)
         self.v2_root = Path(v2_root) if v2_root is not None else detected[0]
         self.v1_freezer_root = Path(v1_freezer_root) if v1_freezer_root is not None else detected[1]
+        cpuacct = found.v1_controller("cpuacct") if found is not None else None
+        if cpuacct is None and self.v1_freezer_root is not None:
+            cpuacct = self.v1_freezer_root.parent / "cpuacct"  # the usual hybrid layout beside it
+        self.v1_cpuacct_root = cpuacct
 
     def handle(self, cgroup_path: str) -> CgroupHandle:
         path = _normalise(cgroup_path)
@@ -232,7 +238,7 @@ class CgroupTree:
             path,
             self.v2_root / rel if self.v2_root is not None else None,
             self.v1_freezer_root / rel if self.v1_freezer_root is not None else None,
-            self.v1_freezer_root.parent / "cpuacct" / rel if self.v1_freezer_root is not None else None,
+            self.v1_cpuacct_root / rel if self.v1_cpuacct_root is not None else None,
         )
 
     def iter_handles(self, paths: Iterator[str]) -> Iterator[CgroupHandle]:
@@ -240,14 +246,8 @@ class CgroupTree:
             yield self.handle(path)
 
 
-def own_cgroup_paths(proc_self: str = "/proc/self/cgroup") -> frozenset[str]:
-    """Every cgroup path of this process (all hierarchies), for the safety filter."""
-    paths = set()
-    try:
-        for line in Path(proc_self).read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) == 3 and parts[2] not in ("", "/"):
-                paths.add(parts[2])
-    except FileNotFoundError:
-        pass
-    return frozenset(paths)
+def own_cgroup_paths(proc_root: str = "/proc", mounts: CgroupMounts | None = None) -> frozenset[str]:
+    """Every cgroup path of this process (all hierarchies), as hierarchy paths, for the
+    safety filter: in its own cgroup namespace the agent reads its cgroup as "/", which
+    must still name the real cgroup it runs in."""
+    return cgroupfs.own_cgroup_paths(mounts if mounts is not None else discover_mounts(proc_root), proc_root)

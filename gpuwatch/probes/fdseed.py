@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuwatch.containers.cgroupfs import CgroupMounts
+from gpuwatch.containers.pidcgroup import cgroup_id_of_pid
 from gpuwatch.probes import layout
 from gpuwatch.probes.bpfsys import BpfMap, BpfSyscallError
 
@@ -148,21 +150,10 @@ def scan(proc_root: Path, prefix: str) -> dict[int, list[DeviceFd]]:
     return out
 
 
-def cgroup_id(proc_root: Path, tgid: int, cgroup_root: Path) -> int | None:
+def cgroup_id(proc_root: Path, tgid: int, mounts: CgroupMounts) -> int | None:
     """cgroup v2 id (the directory's inode, what bpf_get_current_cgroup_id returns) of a
-    process, from its `0::/path` line; None when it is gone or has no v2 cgroup."""
-    try:
-        text = (proc_root / str(tgid) / "cgroup").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            rel = line[3:].strip().lstrip("/")
-            try:
-                return os.stat(cgroup_root / rel).st_ino
-            except OSError:
-                return None
-    return None
+    process; None when it is gone or has no v2 cgroup here (containers/pidcgroup.py)."""
+    return cgroup_id_of_pid(tgid, mounts, str(proc_root))
 
 
 def start_time(proc_root: Path, tgid: int) -> int | None:
@@ -179,11 +170,11 @@ class Seeder:
     """Writes /proc's device fds into the kernel's maps (gw_fds, gw_tgids). Generations it
     creates come from CLOCK_MONOTONIC like the kernel's bpf_ktime_get_ns, kept unique."""
 
-    def __init__(self, fds: BpfMap, tgids: BpfMap, proc_root: Path, cgroup_root: Path, prefix: str) -> None:
+    def __init__(self, fds: BpfMap, tgids: BpfMap, proc_root: Path, mounts: CgroupMounts, prefix: str) -> None:
         self.fds = fds
         self.tgids = tgids
         self.proc_root = proc_root
-        self.cgroup_root = cgroup_root
+        self.mounts = mounts
         self.prefix = prefix
         self._last_gen = 0
 
@@ -201,7 +192,7 @@ class Seeder:
     def seed_process(self, tgid: int, fds: list[DeviceFd]) -> SeedReport:
         report = SeedReport(processes=1)
         started = start_time(self.proc_root, tgid)
-        cg = cgroup_id(self.proc_root, tgid, self.cgroup_root)
+        cg = cgroup_id(self.proc_root, tgid, self.mounts)
         if started is None or cg is None:
             report.vanished += len(fds)
             return report

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.containers.cgroupfs import live_cgroup_ids
 from gpuwatch.probes import layout
 from gpuwatch.probes.bpfsys import BpfMap
-from gpuwatch.probes.cgroupgc import live_cgroup_ids
 
 
 def drop_removed_cgroups(maps: Mapping[str, BpfMap], root: Path) -> int:

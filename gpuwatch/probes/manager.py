@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
+from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
 from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
-from gpuwatch.probes.cgroupgc import cgroup2_mount
 from gpuwatch.probes.counters import read_counters
 from gpuwatch.probes.elf import ElfError, symbol_offsets
 from gpuwatch.probes.events import ProbeEvent
@@ -93,7 +93,7 @@ class ProbeConfig:
     full_rescan_interval_s: float = 60.0  # read() also attaches libcuda of new GPU processes
     scan_all_processes: bool = True  # full rescans look at every process, not only GPU ones
     cgroup_gc_interval_s: float = 60.0  # drop counters of removed cgroups this often
-    cgroup_root: str | None = None  # cgroup v2 mount (None: from /proc/self/mounts)
+    cgroup_root: str | None = None  # cgroup v2 mount (None: from /proc/self/mountinfo)
     proc_root: str = "/proc"
     max_fds: int = 8192  # tracked (tgid, fd) device descriptors (gw_fds bound)
     # device fds opened before the probes attached are seeded from /proc at start and again
@@ -148,6 +148,7 @@ class ProbeManager:
         self._last_full_scan = 0.0
         self._last_sweep = 0.0
         self._last_seed = 0.0
+        self._mounts: CgroupMounts | None = None
         self.seed_totals = fdseed.SeedReport()
         self.load_s = 0.0
         self.attach_s = 0.0
@@ -386,12 +387,12 @@ class ProbeManager:
         """Record the device fds of processes that opened them before the probes attached
         (walks /proc; see fdseed.py for the race with the tracepoints and how it is closed).
         Idempotent; returns this pass's report and adds it to `seed_totals`."""
-        root = Path(self.config.cgroup_root) if self.config.cgroup_root else cgroup2_mount()
+        mounts = self._cgroup_mounts()
         self._last_seed = time.monotonic()
-        if root is None or not self.config.ioctl:
+        if mounts.unified is None or not self.config.ioctl:
             return fdseed.SeedReport()
         seeder = fdseed.Seeder(self._map("gw_fds"), self._map("gw_tgids"), Path(self.config.proc_root),
-                               root, self.config.device_prefix)
+                               mounts, self.config.device_prefix)
         report = seeder.seed()
         self.seed_totals.add(report)
         if report.fd_overflow or report.tgid_overflow:
@@ -421,8 +422,16 @@ class ProbeManager:
         """Drop the counters of cgroups that no longer exist (and hold no live process
         state), so the bounded per-cgroup maps never fill up with removed containers.
         Returns the number of map entries removed."""
-        root = Path(self.config.cgroup_root) if self.config.cgroup_root else cgroup2_mount()
-        return 0 if root is None else housekeeping.drop_removed_cgroups(self._maps, root)
+        root = self._cgroup_mounts().unified
+        return 0 if root is None else housekeeping.drop_removed_cgroups(self._maps, Path(root))
+
+    def _cgroup_mounts(self) -> CgroupMounts:
+        """The cgroup hierarchies (containers/cgroupfs.py), found once; config.cgroup_root
+        overrides the v2 mount."""
+        if self._mounts is None:
+            mounts = discover_mounts()
+            self._mounts = mounts.with_unified(self.config.cgroup_root) if self.config.cgroup_root else mounts
+        return self._mounts
 
     @_locked
     def sweep(self) -> int:

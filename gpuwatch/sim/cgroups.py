@@ -1,10 +1,9 @@
 """Cgroup filesystem helpers for the simulated-container lab (gpuwatch/sim/runc.py).
 
-Finds where the cgroup hierarchies are mounted (pure v2, or hybrid: v1 controllers plus a
-v2 tree at /sys/fs/cgroup/unified) from /proc/self/mountinfo, and maps one cgroup path
-(as written in the v2 line of /proc/<pid>/cgroup) to its directory in every hierarchy.
-The lab uses it to create plain cgroups, list a container's pids and remove what it made.
-The mountinfo path is injectable so the parser is unit-testable without root.
+Where the hierarchies are mounted and which directory a cgroup path names in each comes
+from the one cgroup layer (gpuwatch/containers/cgroupfs.py, re-exported here for the lab);
+this module adds what only the lab does: create plain cgroups, list a container's pids,
+kill, thaw and remove what it made, and a lock shared by labs in other processes.
 """
 
 from __future__ import annotations
@@ -15,98 +14,21 @@ import fcntl
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts, parse_mountinfo
 from gpuwatch.errors import SimError
 
-
-@dataclass(frozen=True)
-class CgroupMounts:
-    """Mount points of the cgroup hierarchies on this host.
-
-    `v2` is the cgroup2 mount (None when there is none); `v1` maps each v1 hierarchy's
-    option string (e.g. "cpu", "name=systemd", "cpu,cpuacct") to its mount point.
-    """
-
-    v2: Path | None
-    v1: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def pure_v2(self) -> bool:
-        """True when only cgroup2 is mounted (no v1 hierarchies)."""
-        return self.v2 is not None and not self.v1
-
-    def v1_controller(self, controller: str) -> Path | None:
-        """Mount point of the v1 hierarchy that carries `controller`, if any."""
-        for options, mount in self.v1.items():
-            if controller in options.split(","):
-                return mount
-        return None
-
-    def v2_dir(self, cgroup_path: str) -> Path:
-        """Directory of `cgroup_path` in the v2 tree."""
-        if self.v2 is None:
-            raise SimError(
-                "no cgroup2 hierarchy is mounted",
-                fix="mount cgroup2 (e.g. at /sys/fs/cgroup/unified) or boot with a v2 systemd",
-            )
-        return self.v2 / cgroup_path.lstrip("/")
-
-    @property
-    def roots(self) -> list[Path]:
-        """Mount points of every hierarchy (v2 first)."""
-        return ([self.v2] if self.v2 is not None else []) + list(self.v1.values())
-
-    def all_dirs(self, cgroup_path: str) -> list[Path]:
-        """Directories of `cgroup_path` in every hierarchy (v2 first, then v1)."""
-        dirs = [self.v2 / cgroup_path.lstrip("/")] if self.v2 is not None else []
-        dirs += [mount / cgroup_path.lstrip("/") for mount in self.v1.values()]
-        return dirs
+__all__ = [
+    "CREATED_MARK", "CgroupMounts", "detect", "is_marked_created", "kill_all", "make_dirs", "mark_created",
+    "parse_mountinfo", "read_pids", "remove_dir", "thaw", "tree_lock",
+]
 
 
-def parse_mountinfo(text: str) -> CgroupMounts:
-    """Parse /proc/self/mountinfo text into the cgroup mount points it lists.
-
-    Only hierarchies mounted at their root ("/" in the root field) are used; a bind of a
-    sub-cgroup (as inside a container) would make host paths map wrongly.
-    """
-    v2: Path | None = None
-    v1: dict[str, Path] = {}
-    for line in text.splitlines():
-        pre, sep, post = line.partition(" - ")
-        if not sep:
-            continue
-        pre_fields, post_fields = pre.split(), post.split()
-        if len(pre_fields) < 5 or len(post_fields) < 3:
-            continue
-        root, mount_point = pre_fields[3], Path(_unescape(pre_fields[4]))
-        fstype, super_options = post_fields[0], post_fields[2]
-        if root != "/":
-            continue
-        if fstype == "cgroup2" and v2 is None:
-            v2 = mount_point
-        elif fstype == "cgroup":
-            names = [
-                o
-                for o in super_options.split(",")
-                if o not in ("rw", "ro")
-                and not o.startswith(("release_agent", "clone_children"))
-                and o not in ("noprefix", "cpuset_v2_mode", "xattr", "favordynmods")
-            ]
-            if names:
-                v1.setdefault(",".join(names), mount_point)
-    return CgroupMounts(v2=v2, v1=v1)
-
-
-def _unescape(path: str) -> str:
-    """Undo mountinfo's octal escapes (\\040 for space...)."""
-    return path.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def detect(mountinfo: str | Path = "/proc/self/mountinfo") -> CgroupMounts:
-    """Cgroup mounts of this process's mount namespace."""
-    return parse_mountinfo(Path(mountinfo).read_text())
+def detect() -> CgroupMounts:
+    """Cgroup hierarchies of this process (containers/cgroupfs.py: the one place that reads
+    mountinfo, cgroup namespaces included)."""
+    return discover_mounts()
 
 
 def read_pids(directory: Path) -> list[int]:

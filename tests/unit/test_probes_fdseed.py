@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.containers.cgroupfs import CgroupMounts
 from gpuwatch.probes import fdseed, layout
 
 
@@ -60,7 +61,7 @@ def test_scan_finds_device_fds_under_both_spellings_of_the_prefix(tmp_path: Path
 
 def test_a_vanished_process_yields_nothing(tmp_path: Path) -> None:
     assert fdseed.process_device_fds(tmp_path, 999, ("/dev/nvidia",)) == []
-    assert fdseed.cgroup_id(tmp_path, 999, tmp_path) is None
+    assert fdseed.cgroup_id(tmp_path, 999, CgroupMounts.v2_only(tmp_path)) is None
     assert fdseed.start_time(tmp_path, 999) is None
 
 
@@ -70,8 +71,8 @@ def test_cgroup_id_is_the_v2_directory_inode_and_start_time_is_parsed(tmp_path: 
     proc = tmp_path / "proc"
     _proc(proc, 20, {}, cgroup="12:memory:/x\n0::/pods/a\n", starttime=777)
     _proc(proc, 21, {}, cgroup="12:memory:/x\n")  # cgroup v1 only: no id
-    assert fdseed.cgroup_id(proc, 20, cgroot) == os.stat(cgroot / "pods" / "a").st_ino
-    assert fdseed.cgroup_id(proc, 21, cgroot) is None
+    assert fdseed.cgroup_id(proc, 20, CgroupMounts.v2_only(cgroot)) == os.stat(cgroot / "pods" / "a").st_ino
+    assert fdseed.cgroup_id(proc, 21, CgroupMounts.v2_only(cgroot)) is None
     assert fdseed.start_time(proc, 20) == 777
 
 

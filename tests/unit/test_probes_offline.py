@@ -140,7 +140,7 @@ def test_discover_finds_copies_mapped_by_processes_and_in_container_roots(fake_l
 
 
 def test_live_cgroup_ids_are_the_directory_inodes(tmp_path: Path) -> None:
-    from gpuwatch.probes.cgroupgc import cgroup2_mount, live_cgroup_ids
+    from gpuwatch.containers.cgroupfs import discover_mounts, live_cgroup_ids
 
     (tmp_path / "kubepods" / "pod1" / "ctr").mkdir(parents=True)
     (tmp_path / "system.slice").mkdir()
@@ -149,6 +149,7 @@ def test_live_cgroup_ids_are_the_directory_inodes(tmp_path: Path) -> None:
                                             tmp_path / "kubepods" / "pod1" / "ctr", tmp_path / "system.slice")}
     assert live_cgroup_ids(tmp_path) == expected
     assert live_cgroup_ids(tmp_path / "missing") == set()
-    mounts = tmp_path / "mounts"
-    mounts.write_text("proc /proc proc rw 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n")
-    assert cgroup2_mount(mounts) == Path("/sys/fs/cgroup/unified")
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(
+        "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    assert discover_mounts(str(tmp_path / "proc")).unified == "/sys/fs/cgroup/unified"
