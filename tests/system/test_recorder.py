@@ -1,0 +1,324 @@
+"""The ioctl recorder (gpuwatch/sim/csrc/ioctl_recorder.c) and the CUDA exercise program
+(cuda_exercise.c), built with the system C compiler and run for real: on the simulated
+node (whose libcuda issues nvidia-shaped ioctls on <sim root>/dev/nvidia*), and on
+regular files named like device nodes for the edge cases (bad pointers, truncation, XFER,
+UVM, dup, mmap, threads, fork).
+
+Each trace must follow the format agreed with the replayer (/work/helpers/trace_format.md,
+committed as gpuwatch/sim/TRACE_FORMAT.md), and the recorded program must behave exactly
+as it does without the recorder: same output, same exit status, errno preserved.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.sim import sim_env
+from tests.conftest import need_binary
+from tests.system.sim_helpers import GIB, MIB, private_node
+
+CSRC = Path(__file__).resolve().parents[2] / "gpuwatch" / "sim" / "csrc"
+CALLS_SRC = Path(__file__).resolve().parent / "test_recorder_calls.c"
+CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11"]
+
+RM_ALLOC_NR = 0x2B
+RM_CONTROL_CMD = 0xC020462A
+MEMORY_LOCAL_USER = 0x40
+HEADER_KEYS = {
+    "format",
+    "version",
+    "recorded_at",
+    "host",
+    "pid",
+    "argv",
+    "driver_version",
+    "cuda_driver_version",
+    "simulated",
+    "gpus",
+}
+EVENT_KEYS = {
+    "open": {"ev", "t_ns", "tid", "path", "flags", "fd"},
+    "close": {"ev", "t_ns", "tid", "fd"},
+    "dup": {"ev", "t_ns", "fd", "newfd"},
+    "ioctl": {"ev", "t_ns", "tid", "fd", "cmd", "ret", "errno", "before", "after", "nested"},
+    "mmap": {"ev", "t_ns", "fd", "length", "prot", "flags", "offset", "ret_ok"},
+    "checkpoint": {"ev", "t_ns", "name", "nvml"},
+    "exit": {"ev", "t_ns", "status"},
+}
+# keys a line may carry beyond the format's (proposed as additions to the format)
+OPTIONAL_KEYS = {
+    "open": {"errno", "inherited"},
+    "ioctl": {"size_unknown", "unreadable"},
+}
+
+
+@dataclass(frozen=True)
+class Programs:
+    recorder: Path
+    exercise: Path
+    calls: Path
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
+    """The recorder, the exercise program and the edge-case caller, compiled as the
+    GPU-host script compiles them."""
+    cc = need_binary("cc", "gcc libc6-dev")
+    out = tmp_path_factory.mktemp("gwrec-build")
+    built = Programs(out / "libgwrec.so", out / "cuda_exercise", out / "recorder_calls")
+    builds = [
+        [
+            cc,
+            *CFLAGS,
+            "-fPIC",
+            "-shared",
+            "-o",
+            str(built.recorder),
+            str(CSRC / "ioctl_recorder.c"),
+            "-ldl",
+            "-lpthread",
+        ],
+        [cc, *CFLAGS, "-o", str(built.exercise), str(CSRC / "cuda_exercise.c"), "-ldl"],
+        [cc, *CFLAGS, "-o", str(built.calls), str(CALLS_SRC), "-ldl", "-lpthread"],
+    ]
+    for cmd in builds:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stderr}"
+    return built
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """Every line of a trace file, parsed and checked against the format's keys."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines, f"{path} is empty"
+    events = [json.loads(line) for line in lines]
+    header = events[0]
+    assert set(header) == HEADER_KEYS, header
+    assert header["format"] == "gpuwatch-ioctl-trace" and header["version"] == 1
+    assert isinstance(header["pid"], int) and isinstance(header["argv"], list)
+    for gpu in header["gpus"]:
+        assert set(gpu) == {"minor", "uuid", "name", "memory_total_bytes"}, gpu
+    for ev in events[1:]:
+        kind = ev["ev"]
+        assert kind in EVENT_KEYS, ev
+        assert EVENT_KEYS[kind] <= set(ev) <= EVENT_KEYS[kind] | OPTIONAL_KEYS.get(kind, set()), ev
+        if kind == "ioctl":
+            assert len(ev["before"]) == len(ev["after"])
+            check_nested(ev["nested"])
+    return events
+
+
+def check_nested(blocks: list[dict[str, Any]]) -> None:
+    for block in blocks:
+        assert {"at", "size", "before", "after", "nested"} <= set(block), block
+        assert len(block["before"]) in (0, 2 * block["size"]), block
+        check_nested(block["nested"])
+
+
+def traces_in(directory: Path) -> dict[int, Path]:
+    return {int(p.stem): p for p in directory.glob("*.jsonl")}
+
+
+def recorder_env(base: dict[str, str], programs: Programs, trace_dir: Path, prefix: str) -> dict[str, str]:
+    env = dict(base)
+    env["LD_PRELOAD"] = str(programs.recorder)
+    env["GPUWATCH_REC_DIR"] = str(trace_dir)
+    env["GPUWATCH_REC_PREFIX"] = prefix
+    return env
+
+
+def alloc_size(block: dict[str, Any], image: str) -> int:
+    """NV_MEMORY_ALLOCATION_PARAMS.size (u64 at 64) of a captured pAllocParms block."""
+    return int(struct.unpack_from("<Q", bytes.fromhex(block[image]), 64)[0])
+
+
+def memory_allocs(events: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, pAllocParms block) of every RM_ALLOC of video memory (class 0x40)."""
+    for i, ev in enumerate(events):
+        if ev.get("ev") != "ioctl" or ev["cmd"] & 0xFF != RM_ALLOC_NR or (ev["cmd"] >> 8) & 0xFF != 0x46:
+            continue
+        params = bytes.fromhex(ev["before"])
+        if struct.unpack_from("<I", params, 12)[0] == MEMORY_LOCAL_USER and ev["nested"]:
+            yield i, ev["nested"][0]
+
+
+def test_exercise_on_the_simulated_node(tmp_path: Path, programs: Programs) -> None:
+    with private_node(tmp_path, devices=2, rm_device_handles=True) as node:
+        env = sim_env(node, dict(os.environ))
+        plain = subprocess.run([str(programs.exercise)], env=env, capture_output=True, text=True, timeout=60)
+        trace_dir = tmp_path / "traces"
+        recorded = subprocess.run(
+            [str(programs.exercise), "--device", "0"],
+            env=recorder_env(env, programs, trace_dir, f"{node.root}/dev/nvidia"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert recorded.returncode == plain.returncode
+    # the same program output, apart from the line that says whether the recorder is there
+    assert "recorder absent" in plain.stdout.splitlines()[0]
+    assert "recorder present" in recorded.stdout.splitlines()[0]
+    assert recorded.stdout.splitlines()[1:] == plain.stdout.splitlines()[1:]
+    assert recorded.stderr == ""
+
+    (trace,) = trace_dir.glob("*.jsonl")
+    events = read_trace(trace)
+    header = events[0]
+    assert trace.name == f"{header['pid']}.jsonl"
+    assert header["simulated"] is True
+    assert header["argv"][1:] == ["--device", "0"]
+    assert header["driver_version"] and isinstance(header["cuda_driver_version"], int)
+    assert [g["minor"] for g in header["gpus"]] == [0, 1]
+    assert all(g["memory_total_bytes"] > 2 * GIB and g["uuid"].startswith("GPU-") for g in header["gpus"])
+
+    # opens are of the sim's nodes, recorded under /dev/nvidia names
+    opened = {ev["path"] for ev in events if ev.get("ev") == "open"}
+    assert "/dev/nvidiactl" in opened and "/dev/nvidia0" in opened
+    assert all(p.startswith("/dev/nvidia") for p in opened)
+    assert all(ev["errno"] == errno.ENOTTY for ev in events if ev.get("ev") == "ioctl" and ev["ret"] < 0)
+
+    # one RM_ALLOC of video memory per cuMemAlloc, its pAllocParms captured with the size
+    allocs = list(memory_allocs(events))
+    asked = [1024, MIB, 2 * MIB, GIB, 32 * MIB, 256 * MIB]
+    sizes = [alloc_size(block, "after") for _, block in allocs]
+    assert len(sizes) == len(asked), sizes
+    for want, got, (_, block) in zip(asked, sizes, allocs, strict=True):
+        assert block["at"] == 16 and block["size"] == 128
+        assert want <= got <= -(-want // (2 * MIB)) * 2 * MIB, (want, got)
+
+    # checkpoints: the program's, in its order, with the fake NVML's numbers; the bytes a
+    # checkpoint adds over the one before are the bytes of the RM_ALLOC between them
+    checkpoints = [(i, ev) for i, ev in enumerate(events) if ev.get("ev") == "checkpoint"]
+    printed = [line.split()[1] for line in plain.stdout.splitlines() if line.startswith("checkpoint ")]
+    assert [ev["name"] for _, ev in checkpoints] == printed
+    used = {ev["name"]: ev["nvml"][0]["process_used_bytes"] for _, ev in checkpoints}
+    assert all(len(ev["nvml"]) == 2 and ev["nvml"][1]["process_used_bytes"] is None for _, ev in checkpoints)
+    assert all(g["device_used_bytes"] >= (g["process_used_bytes"] or 0) for _, ev in checkpoints for g in ev["nvml"])
+    assert used["init"] is None  # no context yet: NVML does not list the process
+    previous = None
+    for index, ev in checkpoints:
+        if ev["name"].startswith("alloc-") and previous is not None:
+            between = [alloc_size(b, "after") for i, b in allocs if previous[0] < i < index]
+            assert used[ev["name"]] - used[previous[1]["name"]] == sum(between), ev["name"]
+        previous = (index, ev)
+    assert used["free-1g"] == used["context"]
+    assert used["held-256m"] >= 256 * MIB
+
+    assert events[-1] == {"ev": "exit", "t_ns": events[-1]["t_ns"], "status": 0}
+
+
+def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, programs: Programs) -> None:
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm", "unrelated"):
+        (devices / name).write_bytes(b"x" * 4096)
+    argv = [str(programs.calls), str(devices)]
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "GPUWATCH_SIM_STATE")}
+    plain = subprocess.run(argv, env=base, capture_output=True, text=True, timeout=60)
+    trace_dir = tmp_path / "traces"
+    env = recorder_env(base, programs, trace_dir, f"{devices}/nvidia")
+    recorded = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 3, plain.stdout + plain.stderr
+    assert (recorded.returncode, recorded.stdout) == (plain.returncode, plain.stdout)
+    assert "errno after success=4242" in recorded.stdout
+    assert "rm_alloc bad struct pointer ret=-1 errno=25" in recorded.stdout
+
+    traces = traces_in(trace_dir)
+    assert len(traces) == 2, traces  # the program and its forked child
+    by_pid = {pid: read_trace(path) for pid, path in traces.items()}
+    parent_pid = next(pid for pid, ev in by_pid.items() if ev[-1].get("status") == 3)
+    child_pid = next(pid for pid in by_pid if pid != parent_pid)
+    events = by_pid[parent_pid]
+    assert events[0]["simulated"] is False and events[0]["gpus"] == []
+    ioctls = [ev for ev in events if ev.get("ev") == "ioctl"]
+
+    opens = [ev for ev in events if ev.get("ev") == "open"]
+    assert [(ev["path"], ev["fd"] >= 0) for ev in opens] == [
+        ("/dev/nvidiactl", True),
+        ("/dev/nvidia9", False),
+        ("/dev/nvidia-uvm", True),
+    ]
+    assert opens[1]["errno"] == errno.ENOENT
+    ctl_fd, uvm_fd = opens[0]["fd"], opens[2]["fd"]
+
+    fionread = ioctls[0]
+    assert (fionread["cmd"], fionread["ret"], fionread["errno"], fionread["before"]) == (0x541B, 0, 0, "")
+    nvos64 = ioctls[1]
+    assert nvos64["errno"] == errno.ENOTTY and len(nvos64["before"]) == 2 * 48
+    (params,) = nvos64["nested"]
+    assert (params["at"], params["size"], alloc_size(params, "before")) == (16, 128, 3 * MIB)
+    (bad_params,) = ioctls[2]["nested"]
+    assert (bad_params["at"], bad_params["size"], bad_params["before"], bad_params.get("unreadable")) == (
+        16,
+        0,
+        "",
+        True,
+    )
+    assert ioctls[3]["before"] == "" and ioctls[3]["unreadable"] is True and ioctls[3]["nested"] == []
+    (big,) = ioctls[4]["nested"]
+    assert (big["at"], big["size"], big["truncated"], big["declared_size"]) == (16, 65536, True, MIB)
+    (inner,) = ioctls[5]["nested"]
+    assert (ioctls[5]["cmd"], inner["at"], inner["size"]) == (0xC01046D3, 8, 48)
+    (inner_params,) = inner["nested"]
+    assert (inner_params["at"], alloc_size(inner_params, "before")) == (16, 5 * MIB)
+
+    dups = [(ev["fd"], ev["newfd"]) for ev in events if ev.get("ev") == "dup"]
+    assert [d[0] for d in dups] == [ctl_fd] * 4 and [d[1] for d in dups][1:] == [100, 101, 200]
+    closed = [ev["fd"] for ev in events if ev.get("ev") == "close"]
+    assert closed == [dups[0][1], 100, 101, 200, uvm_fd, ctl_fd]  # 9999 and "unrelated" are not tracked
+    (mapping,) = [ev for ev in events if ev.get("ev") == "mmap"]
+    assert (mapping["fd"], mapping["length"], mapping["ret_ok"]) == (ctl_fd, 4096, True)
+
+    uvm = [ev for ev in ioctls if ev["fd"] == uvm_fd]
+    assert uvm[0]["cmd"] == 0x30000001 and uvm[0]["before"] == "02" + "00" * 15
+    assert uvm[1]["cmd"] == 33 and uvm[1]["size_unknown"] is True and uvm[1]["before"] == ""
+
+    # 4 threads x 200 RM_CONTROLs (NVOS54.cmd at 8 = 0x100 + thread number), none lost
+    storm = [ev for ev in ioctls if ev["tid"] != parent_pid]
+    assert len(storm) == 800 and len({ev["tid"] for ev in storm}) == 4
+    per_thread = {ev["tid"]: struct.unpack_from("<I", bytes.fromhex(ev["before"]), 8)[0] for ev in storm}
+    assert sorted(per_thread.values()) == [0x100, 0x101, 0x102, 0x103]
+
+    (checkpoint,) = [ev for ev in events if ev.get("ev") == "checkpoint"]
+    assert checkpoint["name"] == "synthetic" and checkpoint["nvml"] == []
+    assert events[-1]["ev"] == "exit" and events[-1]["status"] == 3
+
+    child = by_pid[child_pid]
+    assert child[0]["pid"] == child_pid
+    inherited = [(ev["path"], ev["fd"]) for ev in child if ev.get("ev") == "open"]
+    assert inherited == [("/dev/nvidiactl", ctl_fd), ("/dev/nvidia-uvm", uvm_fd)]
+    assert all(ev.get("inherited") is True for ev in child if ev.get("ev") == "open")
+    assert [ev["cmd"] for ev in child if ev.get("ev") == "ioctl"] == [RM_CONTROL_CMD] * 3
+    assert child[-1]["ev"] == "exit" and child[-1]["status"] == 7
+
+
+def test_without_a_trace_directory_nothing_is_recorded(tmp_path: Path, programs: Programs) -> None:
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    (devices / "nvidiactl").write_bytes(b"x" * 4096)
+    (devices / "nvidia-uvm").write_bytes(b"x" * 4096)
+    argv = [str(programs.calls), str(devices)]
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GPUWATCH_REC_DIR")}
+    plain = subprocess.run(argv, env=base, capture_output=True, text=True, timeout=60)
+    preloaded = subprocess.run(
+        argv,
+        env=dict(base, LD_PRELOAD=str(programs.recorder)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (preloaded.returncode, preloaded.stdout) == (plain.returncode, plain.stdout)
+    assert "GPUWATCH_REC_DIR is not set" in preloaded.stderr
+    assert not list(tmp_path.rglob("*.jsonl"))

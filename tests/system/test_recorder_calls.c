@@ -1,0 +1,200 @@
+/*
+ * Calls for the ioctl recorder's edge cases (tests/system/test_recorder.py), made on
+ * regular files named like NVIDIA device nodes in a directory given as argv[1] (the
+ * recorder's prefix points there): a regular file answers FIONREAD and mmap, and fails
+ * NVIDIA-encoded ioctls with ENOTTY, so both outcomes pass through the recorder.
+ *
+ * It prints what every call returned and the errno it saw; the test runs it with and
+ * without the recorder and requires the same output and exit status (3).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define RM_ALLOC_NVOS21 0xc020462bu
+#define RM_ALLOC_NVOS64 0xc030462bu
+#define RM_CONTROL 0xc020462au
+#define XFER 0xc01046d3u
+#define UVM_INITIALIZE 0x30000001u
+#define UVM_MAP_EXTERNAL_ALLOCATION 33u
+
+typedef struct {
+    uint32_t hRoot, hObjectParent, hObjectNew, hClass;
+    uint64_t pAllocParms;
+    uint64_t pRightsRequested;
+    uint32_t paramsSize, flags, status, pad;
+} nvos64;
+
+typedef struct {
+    uint32_t hRoot, hObjectParent, hObjectNew, hClass;
+    uint64_t pAllocParms;
+    uint32_t paramsSize, status;
+} nvos21;
+
+typedef struct {
+    uint32_t hClient, hObject, cmd, flags;
+    uint64_t params;
+    uint32_t paramsSize, status;
+} nvos54;
+
+typedef struct {
+    uint32_t cmd, size;
+    uint64_t ptr;
+} xfer;
+
+static int g_ctl;
+
+static void show(const char *what, long ret)
+{
+    printf("%s ret=%ld errno=%d\n", what, ret, ret < 0 ? errno : 0);
+    fflush(stdout);
+}
+
+static void alloc_params(unsigned char *p, uint64_t size)
+{
+    memset(p, 0, 128);
+    memcpy(p + 64, &size, 8);
+}
+
+static void *control_storm(void *arg)
+{
+    nvos54 c;
+    memset(&c, 0, sizeof(c));
+    c.cmd = (uint32_t)(uintptr_t)arg;
+    int failures = 0;
+    for (int i = 0; i < 200; i++)
+        if (ioctl(g_ctl, RM_CONTROL, &c) != -1 || errno != ENOTTY)
+            failures++;
+    return (void *)(uintptr_t)failures;
+}
+
+static char *path_in(const char *dir, const char *name)
+{
+    static char buf[4][512];
+    static int next;
+    char *p = buf[next++ % 4];
+    snprintf(p, 512, "%s/%s", dir, name);
+    return p;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s DIR\n", argv[0]);
+        return 2;
+    }
+    const char *dir = argv[1];
+    g_ctl = open(path_in(dir, "nvidiactl"), O_RDWR | O_CLOEXEC);
+    show("open nvidiactl", g_ctl);
+
+    int n = -1;
+    errno = 4242; /* a successful call leaves errno alone, recorded or not */
+    show("ioctl FIONREAD", ioctl(g_ctl, FIONREAD, &n));
+    printf("errno after success=%d fionread=%d\n", errno, n);
+
+    unsigned char params[128];
+    alloc_params(params, 3u << 20);
+    nvos64 a64;
+    memset(&a64, 0, sizeof(a64));
+    a64.hClass = 0x40;
+    a64.pAllocParms = (uint64_t)(uintptr_t)params;
+    a64.paramsSize = sizeof(params);
+    show("rm_alloc nvos64", ioctl(g_ctl, RM_ALLOC_NVOS64, &a64));
+
+    nvos21 a21;
+    memset(&a21, 0, sizeof(a21));
+    a21.hClass = 0x40;
+    a21.pAllocParms = 0x10; /* not mapped: the recorder must not fault */
+    a21.paramsSize = 128;
+    show("rm_alloc nvos21 bad params pointer", ioctl(g_ctl, RM_ALLOC_NVOS21, &a21));
+    show("rm_alloc bad struct pointer", ioctl(g_ctl, RM_ALLOC_NVOS64, (void *)1));
+
+    size_t big = 1u << 20;
+    unsigned char *huge = calloc(1, big);
+    nvos54 ctl;
+    memset(&ctl, 0, sizeof(ctl));
+    ctl.cmd = 0x2080012b;
+    ctl.params = (uint64_t)(uintptr_t)huge;
+    ctl.paramsSize = (uint32_t)big;
+    show("rm_control 1 MiB params", ioctl(g_ctl, RM_CONTROL, &ctl));
+    free(huge);
+
+    unsigned char inner_params[128];
+    alloc_params(inner_params, 5u << 20);
+    nvos64 inner;
+    memset(&inner, 0, sizeof(inner));
+    inner.hClass = 0x40;
+    inner.pAllocParms = (uint64_t)(uintptr_t)inner_params;
+    inner.paramsSize = sizeof(inner_params);
+    xfer x = {0x2B, sizeof(inner), (uint64_t)(uintptr_t)&inner};
+    show("xfer rm_alloc", ioctl(g_ctl, XFER, &x));
+
+    int d1 = dup(g_ctl);
+    show("dup", d1);
+    show("dup2", dup2(g_ctl, 100));
+    show("dup3", dup3(g_ctl, 101, O_CLOEXEC));
+    show("fcntl F_DUPFD_CLOEXEC", fcntl(g_ctl, F_DUPFD_CLOEXEC, 200));
+    show("close dup", close(d1));
+    show("close 100", close(100));
+    show("close 101", close(101));
+    show("close 200", close(200));
+    show("close bad fd", close(9999));
+
+    void *m = mmap(NULL, 4096, PROT_READ, MAP_SHARED, g_ctl, 0);
+    show("mmap", m == MAP_FAILED ? -1 : 0);
+    if (m != MAP_FAILED)
+        munmap(m, 4096);
+
+    show("open missing nvidia9", open(path_in(dir, "nvidia9"), O_RDWR));
+    int other = open(path_in(dir, "unrelated"), O_RDWR);
+    show("open unrelated", other);
+    show("ioctl FIONREAD unrelated", ioctl(other, FIONREAD, &n));
+    close(other);
+
+    int uvm = open(path_in(dir, "nvidia-uvm"), O_RDWR | O_CLOEXEC);
+    show("open nvidia-uvm", uvm);
+    unsigned char init[16] = {2};
+    show("uvm initialize", ioctl(uvm, UVM_INITIALIZE, init));
+    unsigned char unknown[64] = {0};
+    show("uvm map external", ioctl(uvm, UVM_MAP_EXTERNAL_ALLOCATION, unknown));
+
+    pthread_t threads[4];
+    for (uintptr_t i = 0; i < 4; i++)
+        pthread_create(&threads[i], NULL, control_storm, (void *)(0x100 + i));
+    uintptr_t failures = 0;
+    for (int i = 0; i < 4; i++) {
+        void *r;
+        pthread_join(threads[i], &r);
+        failures += (uintptr_t)r;
+    }
+    printf("threads: 800 ioctls, %lu unexpected results\n", (unsigned long)failures);
+
+    void (*checkpoint)(const char *) = (void (*)(const char *))dlsym(RTLD_DEFAULT, "gwrec_checkpoint");
+    if (checkpoint)
+        checkpoint("synthetic");
+
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        for (int i = 0; i < 3; i++)
+            (void)ioctl(g_ctl, RM_CONTROL, &ctl);
+        exit(7);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    printf("child exit=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+
+    show("close uvm", close(uvm));
+    show("close nvidiactl", close(g_ctl));
+    return 3;
+}
