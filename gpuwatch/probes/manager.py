@@ -381,6 +381,17 @@ class ProbeManager:
     def clear_limit(self, cgroup_id: int) -> None:
         self._map("gw_limits").delete(struct.pack("<Q", cgroup_id))
 
+    @_locked
+    def limit_of(self, cgroup_id: int) -> tuple[int, str] | None:
+        """The cgroup's entry in the kernel limit map as (limit_bytes, action); None: no
+        entry, so the kernel does nothing at its allocations."""
+        raw = self._map("gw_limits").lookup(struct.pack("<Q", cgroup_id))
+        if raw is None:
+            return None
+        lim = layout.GwLimit.from_buffer_copy(raw)
+        names = {code: name for name, code in ACTIONS.items()}
+        return int(lim.limit_bytes), names.get(int(lim.action), str(lim.action))
+
     # ---- device fds opened before the probes attached ----------------------------------------
     @_locked
     def seed_fds(self) -> fdseed.SeedReport:

@@ -1,0 +1,218 @@
+"""The probe vs NVML cross-check with the real probes on the simulated node (root, BPF, runc).
+
+Divergence: the libcuda probes keep (tgid, ptr) -> size in a bounded map (`max_cuda_allocs`);
+an allocation made while it is full is counted but its entry is not kept (counted overflow),
+so its cuMemFree cannot be matched and the counter keeps its bytes: a real leak of the very
+counter the in-kernel limit reads (bpf/cuda.bpf.c). The workload holds 64 MiB, allocates and
+frees 3 x 64 MiB (2 of them overflow the 2-entry map): NVML (the sim ledger) says 64 MiB, the
+probe counter 192 MiB. After 3 snapshots the enforcer takes the container out of the kernel
+limit map (audited, metric 1); the workload then allocates 2 x 64 MiB more -- 320 MiB on the
+leaked counter, over the 300 MiB kill limit, 192 MiB in NVML's view -- and is not killed.
+
+Agreement: where the counters agree the in-kernel kill still holds the ledger at the limit
+(0 bytes over), with the cross-check running on every snapshot.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.crosscheck import SUSPENDED_METRIC
+from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.factory import ProbeLimitMap
+from gpuwatch.exporter.collector import SnapshotCollector
+from gpuwatch.exporter.crosscheck import DIVERGENCE_METRIC
+from gpuwatch.exporter.labels import identity_labels
+from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
+from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from gpuwatch.sim import node as simnode
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.system.sim_helpers import private_node
+from tests.system.test_enforce_kernel_limit import LedgerWatch, identity_of, run_pod
+
+pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
+MIB = 1024**2
+LIMIT_MIB = 300
+POLICY = f"""
+rules:
+  - name: capped
+    match: {{namespace: ml}}
+    limits: {{gpu_memory: {LIMIT_MIB}MiB}}
+    actions: [{{do: kill, at: 100%}}]
+"""
+# Drives the stub libcuda through ctypes as a CUDA program would; phases are marker files.
+LEAKER = r"""
+import ctypes, pathlib, sys, time
+lib, markers, mib = ctypes.CDLL(sys.argv[1]), pathlib.Path(sys.argv[2]), 1 << 20
+lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
+def ok(rc, what):
+    if rc:
+        print(what, "failed", rc, flush=True)
+        sys.exit(3)
+def alloc(n):
+    ptr = ctypes.c_ulonglong()
+    ok(lib.cuMemAlloc_v2(ctypes.byref(ptr), n * mib), "cuMemAlloc_v2")
+    return ptr.value
+ok(lib.cuInit(0), "cuInit")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+ok(lib.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ok(lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate_v2")
+held = [alloc(64)]
+for ptr in [alloc(64) for _ in range(3)]:
+    ok(lib.cuMemFree_v2(ptr), "cuMemFree_v2")
+(markers / "freed").write_text("")
+while not (markers / "go").exists():
+    time.sleep(0.02)
+held += [alloc(64), alloc(64)]
+(markers / "allocated").write_text("")
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def sim(tmp_path: Path, runc_required: str, bcc_required: None) -> Iterator[simnode.SimNode]:
+    with private_node(tmp_path, devices=1, memory_bytes=4096 * MIB) as node:
+        yield node
+
+
+def nvml_and_probe_snapshot(sim: simnode.SimNode, c: RunningContainer, identity: ContainerIdentity,
+                            pm: ProbeManager) -> Snapshot:
+    """What the agent's snapshot holds for the container: NVML's per-process memory (the sim
+    ledger the fake NVML reports) and the kernel probes' counters of its cgroup."""
+    state = simnode.status(sim)
+    pids = set(c.pids())
+    procs = tuple(ProcessUsage(p.host_pid, None, "python3", p.memory_bytes, 0.0)
+                  for p in state.processes if p.host_pid in pids)
+    dev = state.devices[0]
+    info = DeviceInfo(0, "GPU-0", "sim", None, dev.memory_total_bytes, dev.memory_used_bytes,
+                      dev.memory_total_bytes - dev.memory_used_bytes, simulated=True)
+    rows = (ContainerUsage(identity, 0, "GPU-0", sum(p.memory_bytes or 0 for p in procs), 0.0, 0.0,
+                           processes=procs),) if procs else ()
+    counters = tuple(c for c in pm.read() if c.cgroup_id == identity.cgroup_id)
+    return Snapshot(timestamp_s=time.monotonic(), node="sim", devices=(info,), containers=rows, simulated=True,
+                    probes_up=True, probe_counters=counters, probe_identities=((identity.cgroup_id or 0, identity),))
+
+
+def wait_for(path: Path, c: RunningContainer, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert c.running(), f"workload exited: {c.logs()}"
+        assert time.monotonic() < deadline, f"no {path.name} marker: {c.logs()}"
+        time.sleep(0.05)
+
+
+def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: simnode.SimNode,
+                                                                          tmp_path: Path) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    script = markers / "leaker.py"
+    script.write_text(LEAKER)
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),),
+                         max_cuda_allocs=2)
+    with (
+        ProbeManager(config) as pm,
+        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
+    ):
+        enforcer = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"),
+                            frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(),
+                            limit_map=ProbeLimitMap(pm))
+        registry = CollectorRegistry()
+        registry.register(enforcer.metrics_collector())
+        try:
+            pod = lab.run(ContainerSpec(
+                name="leaker", namespace="ml", pod="leak-0",
+                argv=[sys.executable, str(script), str(sim.libraries.cuda_path), str(markers)],
+                env=simnode.sim_env(sim), extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
+                ro_binds=[str(sim.libraries.lib_dir)]))
+            identity = identity_of(pod)
+            assert identity.cgroup_id is not None
+            wait_for(markers / "freed", pod)
+            seen = pm.poll_events(0)
+            snapshots = []
+            for _ in range(3):
+                snapshot = nvml_and_probe_snapshot(sim, pod, identity, pm)
+                snapshots.append(snapshot)
+                if len(snapshots) == 1:
+                    # before the 3rd diverging interval the kill limit is in the kernel
+                    enforcer.on_snapshot(snapshot, seen)
+                    assert pm.limit_of(identity.cgroup_id) == (LIMIT_MIB * MIB, "kill")
+                else:
+                    enforcer.on_snapshot(snapshot, pm.poll_events(0))
+                time.sleep(0.1)
+            first = snapshots[0]
+            nvml = first.containers[0].memory_bytes
+            probe = first.probe_counters[0].cuda_allocated_bytes
+            print(f"\nNVML {nvml / MIB:.0f} MiB, libcuda probe counter {(probe or 0) / MIB:.0f} MiB")
+            assert probe == 192 * MIB and 64 * MIB <= nvml < 128 * MIB, "the leak did not happen as designed"
+            assert pm.limit_of(identity.cgroup_id) is None, "suspended: no entry for the kernel to act on"
+            labels = {"node": "sim", **dict(zip(("namespace", "pod", "pod_uid", "container", "container_id"),
+                                                identity_labels(identity), strict=True))}
+            assert registry.get_sample_value(SUSPENDED_METRIC, labels) == 1.0
+            exporter = CollectorRegistry()
+            exporter.register(SnapshotCollector(lambda: snapshots[-1], clock=time.monotonic))
+            divergence = exporter.get_sample_value(DIVERGENCE_METRIC, labels)
+            assert divergence is not None and divergence > 64 * MIB
+
+            (markers / "go").write_text("")
+            wait_for(markers / "allocated", pod)
+            decisions = []
+            for _ in range(3):  # polling enforcement keeps judging on NVML numbers: under the limit
+                decisions += enforcer.on_snapshot(nvml_and_probe_snapshot(sim, pod, identity, pm), pm.poll_events(0))
+                time.sleep(0.1)
+            time.sleep(0.3)
+            assert pod.running(), f"killed on a counter NVML contradicts: {pod.logs()}"
+            counters = [c for c in pm.read() if c.cgroup_id == identity.cgroup_id]
+            assert counters[0].cuda_allocated_bytes == 320 * MIB > LIMIT_MIB * MIB  # what the kernel would act on
+            assert simnode.status(sim).devices[0].memory_used_bytes < LIMIT_MIB * MIB
+            assert decisions == []
+            events = seen + pm.poll_events(100)
+            assert not [e for e in events if e.type in ("kill", "stop", "over_limit")]
+        finally:
+            enforcer.close()
+    records = [r for r in read_audit(tmp_path / "audit.jsonl") if r["event"] == "crosscheck"]
+    assert [(r["action"], r["target"]["container"]) for r in records] == [  # type: ignore[index]
+        ("suspend-inkernel", "leaker")]
+    assert records[0]["measured"]["divergence_bytes"] >= 64 * MIB  # type: ignore[index, operator]
+
+
+def test_kernel_kill_still_holds_the_limit_where_probes_and_nvml_agree(sim: simnode.SimNode,
+                                                                      tmp_path: Path) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),))
+    with (
+        ProbeManager(config) as pm,
+        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
+    ):
+        enforcer = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"),
+                            frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(),
+                            limit_map=ProbeLimitMap(pm))
+        watch = LedgerWatch(sim)
+        try:
+            pod = run_pod(lab, sim, markers)  # 128 MiB steps: the 3rd is over 300 MiB
+            identity = identity_of(pod)
+            judged = 0
+            deadline = time.monotonic() + 15
+            while pod.running() and time.monotonic() < deadline:
+                snapshot = nvml_and_probe_snapshot(sim, pod, identity, pm)
+                judged += bool(snapshot.containers and snapshot.probe_counters)
+                enforcer.on_snapshot(snapshot, pm.poll_events(0))
+                time.sleep(0.05)
+            assert pod.wait(5) == 128 + signal.SIGKILL, pod.logs()
+        finally:
+            peak = watch.stop()
+            enforcer.close()
+    assert judged >= 3, "the cross-check never compared the two numbers"
+    assert enforcer.kernel_guard.changes_total == 0
+    assert 0 < peak <= LIMIT_MIB * MIB, f"ledger peak {peak / MIB:.0f} MiB > limit {LIMIT_MIB} MiB"
