@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -22,6 +23,7 @@ import pytest
 
 from gpuwatch.containers import BundleRoots, IdentityResolver
 from gpuwatch.containers.cgroupfs import discover_mounts
+from gpuwatch.enforce.cgroupfs import CgroupTree
 
 RO_BINDS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
 
@@ -183,3 +185,94 @@ def test_real_runc_container_identity(pod_container: dict[str, object]) -> None:
     r.begin_sweep()
     assert r.cache_sizes()["paths"] == 0 and r.cache_sizes()["metadata"] == 0
     assert r.resolve_pid(host_pid) is None
+
+
+# The agent as the DaemonSet runs it on a cgroup v2 host: host PID namespace, the host's
+# cgroup trees mounted, but its own cgroup namespace. This script is that agent's view.
+AGENT_IN_NAMESPACE = r"""
+import json, os, sys
+from gpuwatch.containers import BundleRoots, IdentityResolver
+from gpuwatch.containers.cgroupfs import discover_mounts
+from gpuwatch.enforce.cgroupfs import CgroupTree, own_cgroup_paths
+from gpuwatch.policy.decisions import SafetyContext
+
+args = json.loads(sys.argv[1])
+mounts = discover_mounts()
+roots = BundleRoots(containerd_tasks=tuple(args["tasks"]), crio_containers=(), runc_state=(), docker_containers=())
+resolver = IdentityResolver(bundle_roots=roots)
+pod = resolver.resolve_pid(args["pid"]).identity
+me = resolver.resolve_pid(os.getpid()).identity
+safety = SafetyContext(own_cgroup_paths())
+by_id = resolver.identity_for_cgroup_id(pod.cgroup_id) if pod.cgroup_id is not None else None
+mechanism = CgroupTree().handle(pod.cgroup_path).set_frozen(True)  # pause the pod's container
+print(json.dumps({
+    "seen": open(f"/proc/{args['pid']}/cgroup").read(),
+    "mount_root": mounts.unified_hierarchy.mount_root,
+    "ns_root": mounts.unified_hierarchy.ns_root,
+    "pod": [pod.container_id, pod.pod_uid, pod.pod_name, pod.container_name, pod.cgroup_path, pod.cgroup_id],
+    "by_id": by_id.container_id if by_id is not None else None,
+    "me": me.cgroup_path,
+    "own": sorted(safety.own_cgroup_paths),
+    "refuses_me": safety.unsafe_reason(me),
+    "refuses_pod": safety.unsafe_reason(pod),
+    "mechanism": mechanism,
+}))
+"""
+
+
+def test_agent_in_its_own_cgroup_namespace(pod_container: dict[str, object]) -> None:
+    """`unshare --cgroup` from a child cgroup, as issue 12 reproduced the DaemonSet: the agent
+    reads other pods' cgroups as `0::/../..`, mountinfo's cgroup2 root as `/../..`; it must
+    still find the hierarchy, attribute the pod with its real cgroup id, know its own cgroup
+    for the safety check and pause the right container."""
+    runc = pod_container["runc"]
+    assert isinstance(runc, MiniRunc)
+    cid, pod_uid = str(pod_container["cid"]), str(pod_container["pod_uid"])
+    cgroups_path = str(pod_container["cgroups_path"])
+    roots = pod_container["roots"]
+    assert isinstance(roots, BundleRoots)
+    pod_pid = runc.pid(cid)
+    mounts = discover_mounts()
+    assert mounts.unified is not None
+    agent_cgroup = f"/gpuwatch-test-agentns-{uuid.uuid4().hex[:8]}/agent"
+    # the agent's cgroup in v2 and, on hybrid hosts, in the v1 freezer (its namespace root there too)
+    join = [os.path.join(mounts.unified, agent_cgroup.lstrip("/"))]
+    freezer = mounts.v1.get("freezer")
+    if freezer is not None:
+        join.append(os.path.join(freezer, agent_cgroup.lstrip("/")))
+    for directory in join:
+        os.makedirs(directory)
+    enter = " && ".join(f"echo $$ > {d}/cgroup.procs" for d in join)
+    args = json.dumps({"pid": pod_pid, "tasks": list(roots.containerd_tasks)})
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        script = f'{enter} && exec unshare --cgroup "$0" -c "$1" "$2"'
+        res = subprocess.run(
+            ["sh", "-c", script, sys.executable, AGENT_IN_NAMESPACE, args],
+            capture_output=True, text=True, timeout=60, cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
+        assert res.returncode == 0, res.stderr
+        seen = json.loads(res.stdout)
+        # the layout issue 12 described, reproduced
+        assert seen["mount_root"].startswith("/..")
+        assert seen["seen"].startswith("0::/..") or "\n0::/.." in seen["seen"], seen["seen"]
+        # ...and what the agent made of it: hierarchy paths as on the host
+        assert seen["ns_root"] == agent_cgroup
+        want_id = os.stat(mounts.unified.rstrip("/") + cgroups_path).st_ino
+        assert seen["pod"] == [cid, pod_uid, "trainer-0", "cuda-worker", cgroups_path, want_id]
+        assert seen["by_id"] == cid
+        assert seen["me"] == agent_cgroup and agent_cgroup in seen["own"]
+        assert seen["refuses_me"] and not seen["refuses_pod"]
+        # the pause landed on the pod's container, seen from the host
+        handle = CgroupTree().handle(cgroups_path)
+        assert handle.is_frozen(), seen["mechanism"]
+        handle.set_frozen(False)
+        assert not handle.is_frozen()
+    finally:
+        with contextlib.suppress(OSError):
+            CgroupTree().handle(cgroups_path).set_frozen(False)
+        for directory in join:
+            for d in (directory, os.path.dirname(directory)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
