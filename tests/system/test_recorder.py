@@ -29,6 +29,7 @@ from tests.system.sim_helpers import GIB, MIB, private_node
 
 CSRC = Path(__file__).resolve().parents[2] / "gpuwatch" / "sim" / "csrc"
 CALLS_SRC = Path(__file__).resolve().parent / "test_recorder_calls.c"
+RECORD_SCRIPT = CSRC.parent / "record-on-gpu-host.sh"
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11"]
 
 RM_ALLOC_NR = 0x2B
@@ -322,3 +323,30 @@ def test_without_a_trace_directory_nothing_is_recorded(tmp_path: Path, programs:
     assert (preloaded.returncode, preloaded.stdout) == (plain.returncode, plain.stdout)
     assert "GPUWATCH_REC_DIR is not set" in preloaded.stderr
     assert not list(tmp_path.rglob("*.jsonl"))
+
+
+def test_the_gpu_host_script_records_every_gpu(tmp_path: Path) -> None:
+    """The script a GPU host runs (C compiler only), pointed at the simulated node."""
+    need_binary("cc", "gcc libc6-dev")
+    out = tmp_path / "out"
+    with private_node(tmp_path, devices=2, rm_device_handles=True) as node:
+        env = sim_env(node, dict(os.environ))
+        env["GPUWATCH_REC_PREFIX"] = f"{node.root}/dev/nvidia"
+        proc = subprocess.run(
+            ["sh", str(RECORD_SCRIPT), "-o", str(out), "-d", "all"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for gpu in (0, 1):
+        (trace,) = (out / "traces" / f"exercise-gpu{gpu}").glob("*.jsonl")
+        events = read_trace(trace)
+        assert f"/dev/nvidia{gpu}" in {ev["path"] for ev in events if ev.get("ev") == "open"}
+        assert events[-1]["ev"] == "exit" and events[-1]["status"] == 0
+        assert (out / f"exercise-gpu{gpu}.out").read_text().endswith("exit_status: 0\n")
+    assert (out / "host.txt").read_text().startswith("recorded_at: ")
+    assert f"traces (2 files) are in {out}/traces" in proc.stdout
+    assert "tests/fixtures/traces/real/" in proc.stdout
+    assert "SIMULATED node" in proc.stdout

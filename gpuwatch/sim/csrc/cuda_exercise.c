@@ -9,6 +9,7 @@
  *
  *   cc -O2 -o cuda_exercise cuda_exercise.c -ldl
  *   ./cuda_exercise [--device N] [--libcuda PATH]
+ *   ./cuda_exercise --count      (prints "devices N": what a recording script loops over)
  *
  * Every step prints one line: "ok", "skip" (the symbol is missing: the simulated libcuda
  * implements a subset) or "fail" (the call returned an error; later steps that need its
@@ -311,9 +312,22 @@ static void step_vmm(CUdevice dev)
     checkpoint("vmm-released");
 }
 
+/* "devices N" (0 when libcuda or cuInit fails) */
+static int print_device_count(const char *lib)
+{
+    int n = 0;
+    g_cuda = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    CUresult (*init)(unsigned) = g_cuda ? (CUresult(*)(unsigned))sym("cuInit") : NULL;
+    CUresult (*count)(int *) = g_cuda ? (CUresult(*)(int *))sym("cuDeviceGetCount") : NULL;
+    if (!init || !count || init(0) != 0 || count(&n) != 0)
+        n = 0;
+    printf("devices %d\n", n);
+    return n > 0 ? 0 : 2;
+}
+
 static int usage(const char *argv0)
 {
-    fprintf(stderr, "usage: %s [--device N] [--libcuda PATH]\n", argv0);
+    fprintf(stderr, "usage: %s [--device N] [--libcuda PATH] [--count]\n", argv0);
     return 2;
 }
 
@@ -321,6 +335,7 @@ int main(int argc, char **argv)
 {
     int device = 0;
     const char *lib = "libcuda.so.1";
+    int count_only = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
             char *end;
@@ -329,10 +344,14 @@ int main(int argc, char **argv)
                 return usage(argv[0]);
         } else if (strcmp(argv[i], "--libcuda") == 0 && i + 1 < argc) {
             lib = argv[++i];
+        } else if (strcmp(argv[i], "--count") == 0) {
+            count_only = 1;
         } else {
             return usage(argv[0]);
         }
     }
+    if (count_only)
+        return print_device_count(lib);
     g_checkpoint = (void (*)(const char *))dlsym(RTLD_DEFAULT, "gwrec_checkpoint");
     printf("cuda_exercise: device %d, %s, recorder %s\n", device, lib, g_checkpoint ? "present" : "absent");
     g_cuda = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
