@@ -15,13 +15,16 @@ Agreement: where the counters agree the in-kernel kill still holds the ledger at
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from gpuwatch.enforce.audit import AuditLog, read_audit
@@ -35,6 +38,7 @@ from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Proces
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from tests.conftest import need_binary
 from tests.system.sim_helpers import private_node
 from tests.system.test_enforce_kernel_limit import LedgerWatch, identity_of, run_pod
 
@@ -102,6 +106,34 @@ def nvml_and_probe_snapshot(sim: simnode.SimNode, c: RunningContainer, identity:
                     probes_up=True, probe_counters=counters, probe_identities=((identity.cgroup_id or 0, identity),))
 
 
+RULES = Path(__file__).resolve().parents[2] / "dashboards" / "gpuwatch-rules.yml"
+ALERT = "GpuwatchInKernelEnforcementSuspended"
+
+
+def assert_alert_fires(registry: CollectorRegistry, tmp_path: Path) -> None:
+    """The shipped alert rule fires on the suspension series exactly as the enforcer exports it
+    (name and labels taken from a real collection, evaluated by promtool)."""
+    promtool = need_binary("promtool", "prometheus")
+    series = [sample for family in registry.collect() for sample in family.samples
+              if sample.name == SUSPENDED_METRIC and sample.value == 1.0]
+    assert len(series) == 1, series
+    labels = series[0].labels
+    selector = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+    rule = next(r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if r.get("alert") == ALERT)
+    summary = (f"In-kernel GPU memory enforcement suspended for {labels['namespace']}/{labels['pod']}/"
+               f"{labels['container']} on {labels['node']}")
+    test = {"rule_files": [str(RULES)], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": f"{SUSPENDED_METRIC}{{{selector}}}", "values": "1x10"}],
+        "alert_rule_test": [{"eval_time": "2m", "alertname": ALERT, "exp_alerts": [{
+            "exp_labels": {**{k: v for k, v in labels.items() if v}, "severity": "warning"},  # "" = absent
+            "exp_annotations": {"summary": summary, "description": rule["annotations"]["description"]}}]}]}]}
+    path = tmp_path / "alert_test.yml"
+    path.write_text(yaml.safe_dump(test))
+    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
 def wait_for(path: Path, c: RunningContainer, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -158,6 +190,7 @@ def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: 
             labels = {"node": "sim", **dict(zip(("namespace", "pod", "pod_uid", "container", "container_id"),
                                                 identity_labels(identity), strict=True))}
             assert registry.get_sample_value(SUSPENDED_METRIC, labels) == 1.0
+            assert_alert_fires(registry, tmp_path)
             exporter = CollectorRegistry()
             exporter.register(SnapshotCollector(lambda: snapshots[-1], clock=time.monotonic))
             divergence = exporter.get_sample_value(DIVERGENCE_METRIC, labels)
