@@ -1,11 +1,24 @@
 """IdentityResolver: host pid or cgroup id -> container identity, cached for a 1 s loop.
 
 Three caches, each validated cheaply:
-* per pid, keyed by (pid, inode and ctime of /proc/<pid>): one stat() per known pid per
-  call. A reused pid gets a new /proc/<pid> inode, so the key changes; on any change the
-  start time in /proc/<pid>/stat decides. The cgroup file alone is re-read every
-  `pid_recheck_s` (spread over the period by pid, so no sweep re-reads everything) to
-  follow a process moved to another cgroup.
+* per pid, resolved once and then revalidated without a syscall per pid per cycle. On the
+  real /proc (pidwatch.py) each cached process keeps a pidfd in one epoll set and an open
+  /proc/<pid>/cgroup: `begin_sweep` asks the kernel once which of them exited (a reused
+  pid is then loaded afresh, never confused with the old process), and re-reads a share of
+  the kept cgroup files (one pread each) so that every process is re-read once per
+  `pid_recheck_s`, a constant cost per cycle. Why a periodic re-read for moves: nothing
+  cheaper reports a move of one pid (cgroup.events only flips when a cgroup empties), and
+  moves of a GPU process are rare -- runtimes put a process in its container's cgroup
+  before it execs the workload, i.e. before NVML ever lists it -- so a move is seen within
+  `pid_recheck_s` (10 s) at ~6 us per re-read. exec keeps the cgroup (and so the
+  container); the name shown is the one at load, refreshed when the process is loaded
+  again (moved, or dropped after `idle_sweeps` sweeps out of the GPU list, which is where
+  exec puts a CUDA process: its driver state dies with the old image). `forget_pid` lets a
+  caller that sees exec events (the probes) drop one at once.
+  Elsewhere (fixture trees, a procfs of another pid namespace, no descriptors left) the
+  key is (pid, inode and ctime of /proc/<pid>): one stat() per known pid per call; a
+  reused pid gets a new /proc/<pid> inode, so the key changes; on any change the start
+  time in /proc/<pid>/stat decides, and the cgroup file is re-read every `pid_recheck_s`.
 * per cgroup path: the parsed identity plus metadata and the cgroup id; dropped by
   `begin_sweep` when the cgroup directory is gone.
 * per container id: metadata from the runtime's files (metadata.py), dropped when no cached
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -36,6 +50,7 @@ from gpuwatch.containers.cgroup_path import (
 from gpuwatch.containers.cgroupfs import CgroupIdIndex, cgroup_dir, discover_mounts
 from gpuwatch.containers.metadata import BundleRoots, ContainerMetadata, MetadataLookup
 from gpuwatch.containers.pidcgroup import cgroup_choice
+from gpuwatch.containers.pidwatch import ProcessHandle, open_pid_watch
 from gpuwatch.containers.procfs import (
     parse_stat,
     parse_status,
@@ -52,6 +67,8 @@ class _PathEntry:
     fs_dir: str | None  # directory whose existence means the cgroup is alive (None: unknown)
     used_gen: int
     meta_pending: bool  # a container id with no metadata found yet
+    pids: int = 0  # cached pid entries in this cgroup
+    watched: int = 0  # of which watched (a live member: the cgroup cannot have been removed)
 
 
 @dataclass
@@ -63,6 +80,7 @@ class _PidEntry:
     process: ProcessIdentity
     used_gen: int
     cgroup_text: str | None = None  # what /proc/<pid>/cgroup said at the last check
+    handle: ProcessHandle | None = None  # kept pidfd + cgroup fd (pidwatch.py); None: stat-revalidated
 
 
 @dataclass
@@ -91,6 +109,7 @@ class IdentityResolver:
         rescan_min_interval_s: float = 2.0,
         sweep_min_interval_s: float = 0.5,
         idle_sweeps: int = 3,
+        max_watched_pids: int = 8192,
     ) -> None:
         self.proc_root = proc_root.rstrip("/") or "/"
         self._clock = clock
@@ -110,16 +129,48 @@ class IdentityResolver:
         self._meta: dict[str, _MetaEntry] = {}
         self._gen = 0
         self._last_sweep_s: float | None = None
+        # kept process handles (2 fds each) for pids of our own pid namespace; None elsewhere
+        self._watch = open_pid_watch(self.proc_root)
+        self._max_watched_pids = max_watched_pids
+        self._recheck_queue: deque[_PidEntry] = deque()  # watched entries, re-read in rotation
+        self._recheck_credit = 0.0
+        self._last_recheck_s: float | None = None
+        self._idle_scan_gen = 0
 
     # ---- pids -------------------------------------------------------------------------
 
     def resolve_pid(self, pid: int) -> ProcessIdentity | None:
         """Identity of a host pid, or None if the process is gone."""
+        self._drop_exited()
+        return self._resolve(pid)
+
+    def resolve_pids(self, pids: Iterable[int]) -> dict[int, ProcessIdentity]:
+        """Identities of the pids still alive (gone ones are left out)."""
+        self._drop_exited()
+        out: dict[int, ProcessIdentity] = {}
+        for pid in pids:
+            ident = self._resolve(pid)
+            if ident is not None:
+                out[pid] = ident
+        return out
+
+    def forget_pid(self, pid: int) -> None:
+        """Drop what is cached for a pid (e.g. it exec'd): the next call loads it afresh."""
+        self._drop_pid(pid)
+
+    def _resolve(self, pid: int) -> ProcessIdentity | None:
+        entry = self._pids.get(pid)
+        if entry is not None and entry.handle is not None:
+            return self._hit(entry)  # its pidfd has not fired: the same process, still alive
         pdir = f"{self.proc_root}/{pid}"
+        if entry is None and self._watch is not None and len(self._watch) < self._max_watched_pids:
+            handle = self._watch.watch(pid)
+            if handle is not None:
+                return self._load_watched(pid, pdir, handle)
         try:
             st = os.stat(pdir)
         except OSError:
-            self._pids.pop(pid, None)
+            self._drop_pid(pid)
             return None
         key = (st.st_ino, st.st_ctime_ns)
         entry = self._pids.get(pid)
@@ -132,7 +183,7 @@ class IdentityResolver:
             stat_text = read_text(f"{pdir}/stat")
             parsed = parse_stat(stat_text) if stat_text is not None else None
             if parsed is None or parsed.exited:
-                del self._pids[pid]
+                self._drop_pid(pid)
                 return None
             if parsed.start_ticks == entry.start_ticks:
                 if fresh:
@@ -145,14 +196,19 @@ class IdentityResolver:
                     return self._hit(entry)
         return self._load_pid(pid, pdir, key, now, stat_text)
 
-    def resolve_pids(self, pids: Iterable[int]) -> dict[int, ProcessIdentity]:
-        """Identities of the pids still alive (gone ones are left out)."""
-        out: dict[int, ProcessIdentity] = {}
-        for pid in pids:
-            ident = self.resolve_pid(pid)
-            if ident is not None:
-                out[pid] = ident
-        return out
+    def _load_watched(self, pid: int, pdir: str, handle: ProcessHandle) -> ProcessIdentity | None:
+        """Load a pid whose handles were just opened. The pidfd was opened first: if that
+        process is still alive after the reads, every file read belonged to it."""
+        assert self._watch is not None
+        cg_text = self._watch.read_cgroup(handle)
+        process = None
+        if cg_text is not None:
+            process = self._load_pid(pid, pdir, (0, 0), self._clock(), None, cg_text, handle)
+        if process is None or not self._watch.alive(handle):
+            self._drop_pid(pid)
+            self._watch.close(handle)
+            return None
+        return process
 
     def _hit(self, entry: _PidEntry) -> ProcessIdentity:
         entry.used_gen = self._gen
@@ -163,14 +219,17 @@ class IdentityResolver:
         return entry.process
 
     def _load_pid(
-        self, pid: int, pdir: str, key: tuple[int, int], now: float, stat_text: str | None
+        self, pid: int, pdir: str, key: tuple[int, int], now: float, stat_text: str | None,
+        cg_text: str | None = None, handle: ProcessHandle | None = None,
     ) -> ProcessIdentity | None:
         if stat_text is None:
             stat_text = read_text(f"{pdir}/stat")
         parsed = parse_stat(stat_text) if stat_text is not None else None
-        cg_text = read_text(f"{pdir}/cgroup")
+        if cg_text is None:
+            cg_text = read_text(f"{pdir}/cgroup")
         if (parsed is None and cg_text is None) or (parsed is not None and parsed.exited):
-            self._pids.pop(pid, None)
+            if handle is None:
+                self._drop_pid(pid)
             return None  # gone between the stat and the reads, or a zombie nobody reaped yet
         comm, start_ticks = (parsed.comm, parsed.start_ticks) if parsed is not None else ("", -1)
         status = read_text(f"{pdir}/status")
@@ -192,8 +251,61 @@ class IdentityResolver:
         # Spread the periodic rechecks over the recheck period (by pid), so processes that
         # were first seen together are not all re-read in the same sweep.
         checked_s = now - (pid % 64) / 64 * self._pid_recheck_s
-        self._pids[pid] = _PidEntry(key, start_ticks, checked_s, path_entry, process, self._gen, cg_text)
+        old = self._pids.get(pid)
+        if old is not None and old.handle is not handle:
+            self._drop_pid(pid)
+        elif old is not None:
+            _count(old, -1)
+        entry = _PidEntry(key, start_ticks, checked_s, path_entry, process, self._gen, cg_text, handle)
+        self._pids[pid] = entry
+        _count(entry, 1)
+        if handle is not None:
+            self._recheck_queue.append(entry)
         return process
+
+    def _drop_pid(self, pid: int) -> None:
+        entry = self._pids.pop(pid, None)
+        if entry is None:
+            return
+        _count(entry, -1)
+        if entry.handle is not None and self._watch is not None:
+            self._watch.close(entry.handle)
+
+    def _drop_exited(self) -> None:
+        """Forget every watched process that exited (one epoll_wait)."""
+        if self._watch is None:
+            return
+        for pid in self._watch.exited():  # their handles are closed already
+            entry = self._pids.get(pid)
+            if entry is not None and entry.handle is not None and not self._watch.watching(entry.handle):
+                self._drop_pid(pid)
+
+    def _recheck_watched(self, now: float) -> None:
+        """Re-read the kept cgroup files of a share of the watched pids, so that each is
+        re-read once per pid_recheck_s: a move to another cgroup reloads the pid."""
+        if self._watch is None:
+            return
+        last, self._last_recheck_s = self._last_recheck_s, now
+        if last is None or not self._recheck_queue:
+            return
+        self._recheck_credit += len(self._recheck_queue) * max(0.0, now - last) / self._pid_recheck_s
+        count = min(int(self._recheck_credit), len(self._recheck_queue))
+        self._recheck_credit = min(self._recheck_credit - count, 1.0)
+        queue = self._recheck_queue
+        for _ in range(count):
+            entry = queue.popleft()
+            handle = entry.handle
+            pid = entry.process.pid
+            if handle is None or self._pids.get(pid) is not entry:
+                continue  # dropped or replaced since: falls out of the rotation
+            text = self._watch.read_cgroup(handle)
+            if text is None:
+                self._drop_pid(pid)
+                continue
+            queue.append(entry)
+            moved = text != entry.cgroup_text  # then load it again, keeping its handles
+            if moved and self._load_pid(pid, f"{self.proc_root}/{pid}", (0, 0), now, None, text, handle) is None:
+                self._drop_pid(pid)
 
     # ---- cgroups ----------------------------------------------------------------------
 
@@ -271,16 +383,24 @@ class IdentityResolver:
         metadata; retry missing metadata. Does real work at most every sweep_min_interval_s."""
         self._gen += 1
         now = self._clock()
+        self._drop_exited()
+        self._recheck_watched(now)
         if self._last_sweep_s is not None and now - self._last_sweep_s < self._sweep_min_interval_s:
             return
         self._last_sweep_s = now
         oldest = self._gen - self._idle_sweeps
-        self._pids = {pid: e for pid, e in self._pids.items() if e.used_gen >= oldest}
-        live_paths = {id(e.path_entry) for e in self._pids.values()}
+        # Exited watched pids are gone already (pidfds); the scan for idle ones (alive, no
+        # longer asked about) can wait until one could have become idle.
+        if self._watch is None or self._gen - self._idle_scan_gen >= self._idle_sweeps:
+            self._idle_scan_gen = self._gen
+            for pid in [pid for pid, e in self._pids.items() if e.used_gen < oldest]:
+                self._drop_pid(pid)
         keep: dict[str, _PathEntry] = {}
         for path, entry in self._paths.items():
             cgroup_id = entry.identity.cgroup_id
-            if entry.fs_dir is not None:
+            if entry.watched > 0:
+                alive = True  # a cgroup with a live member cannot have been removed: no stat
+            elif entry.fs_dir is not None:
                 try:
                     ino = os.stat(entry.fs_dir).st_ino
                 except OSError:
@@ -288,7 +408,7 @@ class IdentityResolver:
                 # gone, or removed and created again under the same name (a new cgroup id)
                 alive = ino is not None and (cgroup_id is None or ino == cgroup_id)
             else:
-                alive = entry.used_gen >= oldest or id(entry) in live_paths
+                alive = entry.used_gen >= oldest or entry.pids > 0
             if not alive:
                 self.index.forget(path)
                 continue
@@ -301,12 +421,14 @@ class IdentityResolver:
                 identity, pending = self._build_identity(path, cgroup_id, entry.identity)
                 entry.identity, entry.meta_pending = identity, pending
             keep[path] = entry
+        if len(keep) == len(self._paths):
+            return  # nothing went: no pid or metadata lost its cgroup
         kept = {id(e) for e in keep.values()}
         tracked = {id(e) for e in self._paths.values()}
         # a pid whose cgroup went away is revalidated from scratch (it is usually a zombie)
-        self._pids = {
-            pid: e for pid, e in self._pids.items() if id(e.path_entry) in kept or id(e.path_entry) not in tracked
-        }
+        orphans = [pid for pid, e in self._pids.items() if id(e.path_entry) not in kept and id(e.path_entry) in tracked]
+        for pid in orphans:
+            self._drop_pid(pid)
         self._paths = keep
         referenced = {e.identity.container_id for e in keep.values() if e.identity.container_id}
         referenced |= {p.rsplit("/", 1)[-1] for p in keep}
@@ -315,6 +437,25 @@ class IdentityResolver:
     def cache_sizes(self) -> dict[str, int]:
         """Entries per cache (for tests and the agent's self-metrics)."""
         return {"pids": len(self._pids), "paths": len(self._paths), "metadata": len(self._meta)}
+
+    def watched_pids(self) -> int:
+        """Pids revalidated through kept handles (2 file descriptors each; pidwatch.py)."""
+        return len(self._watch) if self._watch is not None else 0
+
+    def close(self) -> None:
+        """Release the kept process handles (also done when the resolver is garbage-collected)."""
+        if self._watch is not None:
+            self._watch.close_all()
+            self._watch = None
+        self._pids.clear()
+        self._recheck_queue.clear()
+
+
+def _count(entry: _PidEntry, delta: int) -> None:
+    """Keep the per-cgroup counts of cached (and watched) pids in step with the pid cache."""
+    entry.path_entry.pids += delta
+    if entry.handle is not None:
+        entry.path_entry.watched += delta
 
 
 def _merge(base: ContainerIdentity, meta: ContainerMetadata) -> ContainerIdentity:
