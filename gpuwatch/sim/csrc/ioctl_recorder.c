@@ -269,9 +269,14 @@ static uint64_t mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static pid_t g_pid;                   /* getpid() is a system call: cached, reset at fork */
+static TLS long t_tid;
+
 static long tid(void)
 {
-    return syscall(SYS_gettid);
+    if (!t_tid)
+        t_tid = syscall(SYS_gettid);
+    return t_tid;
 }
 
 /* ---- safe reads of the caller's memory ---- */
@@ -287,7 +292,7 @@ static int read_user(void *dst, uint64_t addr, size_t n)
     if (g_vm_readv_works) {
         struct iovec local = {dst, n};
         struct iovec remote = {(void *)(uintptr_t)addr, n};
-        ssize_t got = syscall(SYS_process_vm_readv, getpid(), &local, 1ul, &remote, 1ul, 0ul);
+        ssize_t got = syscall(SYS_process_vm_readv, g_pid, &local, 1ul, &remote, 1ul, 0ul);
         if (got == (ssize_t)n)
             return 0;
         if (got >= 0 || errno == EFAULT)
@@ -1072,6 +1077,8 @@ static void on_exit_status(int status, void *arg)
 
 static void atfork_child(void)
 {
+    g_pid = getpid();
+    t_tid = 0; /* the forking thread is the child's main thread, with a new id */
     pthread_mutex_init(&g_write_lock, NULL);
     pthread_mutex_init(&g_path_lock, NULL);
     if (g_trace_fd >= 0)
@@ -1085,6 +1092,7 @@ static void atfork_child(void)
 
 __attribute__((constructor)) static void gwrec_start(void)
 {
+    g_pid = getpid();
     const char *dir = getenv("GPUWATCH_REC_DIR");
     const char *prefix = getenv("GPUWATCH_REC_PREFIX");
     if (prefix && *prefix && strlen(prefix) < sizeof(g_prefix)) {
