@@ -75,7 +75,7 @@ def sim() -> None:
 @click.option(
     "--rm-device-handles",
     is_flag=True,
-    help="Contexts also RM_ALLOC the client, device (0x80) and subdevice (0x2080), as the real driver does.",
+    help="Kept for compatibility: contexts always allocate the client, device, subdevice and VA space now.",
 )
 @click.option(
     "--topology",
@@ -174,7 +174,9 @@ def status_cmd(name: str) -> None:
         for p in (p for p in st.processes if p.device == d.index):
             ns = f" (pid {p.ns_pid} in its namespace)" if p.ns_pid != p.host_pid else ""
             click.echo(
-                f"  pid {p.host_pid}{ns}  {p.memory_bytes / 2**20:.0f} MiB in {p.allocations} allocations, "
+                f"  pid {p.host_pid}{ns}  {p.memory_bytes / 2**20:.0f} MiB ({p.rm_objects} driver objects, "
+                f"{p.context_bytes / 2**20:.0f} MiB context, {p.managed_bytes / 2**20:.0f} MiB managed; "
+                f"{p.requested_bytes / 2**20:.1f} MiB asked for) in {p.allocations} allocations, "
                 f"{p.kernel_launches} kernels, {p.busy_seconds_total:.1f} s busy, "
                 f"{p.engine_wait_seconds_total:.1f} s waiting for the GPU"
             )
@@ -293,6 +295,28 @@ def _signal_number(text: str) -> int:
     type=click.FloatRange(min=0.01),
     help="How often at most the progress file is rewritten.",
 )
+@click.option(
+    "--alloc-path",
+    type=click.Choice(["rm-alloc", "vid-heap"]),
+    default="rm-alloc",
+    show_default=True,
+    help="Driver call that creates memory objects: RM_ALLOC (class 0x40) or VID_HEAP_CONTROL (ALLOC_SIZE).",
+)
+@click.option(
+    "--suballoc-mib",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1 << 20),
+    help="0: one driver allocation per cuMemAlloc; N: cuMemAllocs up to N MiB carved from N-MiB chunks.",
+)
+@click.option(
+    "--context-mib",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1 << 20),
+    help="Memory the context allocates for itself (class-0x40 objects of at most 2 MiB).",
+)
+@click.option("--managed", is_flag=True, help="Allocate with cuMemAllocManaged (nvidia-uvm) instead of cuMemAlloc.")
 def run_cmd(
     name: str,
     gpu: int,
@@ -313,6 +337,10 @@ def run_cmd(
     progress_goal: str,
     progress_file: Path | None,
     progress_interval_s: float,
+    alloc_path: str,
+    suballoc_mib: int,
+    context_mib: int,
+    managed: bool,
 ) -> None:
     """Run a GPU workload on the simulated node in this process.
 
@@ -324,6 +352,10 @@ def run_cmd(
     time: on a shared GPU it takes longer) and exits 0 after printing "done <pid> <s>".
     With --progress-curve it evaluates a loss-like function of the work done, writes it
     to --progress-file and prints "evaluation <value> <work done s>" once a second.
+
+    --alloc-path, --suballoc-mib and --context-mib choose the driver traffic the stub
+    libcuda issues (and so what NVML counts: the driver's objects at their rounded sizes);
+    see gpuwatch/sim/README.md "Driver traffic".
     """
     from gpuwatch.sim import node as simnode
     from gpuwatch.sim import workload
@@ -339,6 +371,7 @@ def run_cmd(
         raise click.ClickException("sim is not up: run `gpuwatch sim up`")
     if "GPUWATCH_SIM_LIBCUDA" not in os.environ:
         os.environ["GPUWATCH_SIM_LIBCUDA"] = str(simnode.get_node(name).libraries.cuda_path)
+    os.environ.update(simnode.driver_env(alloc_path=alloc_path, suballoc_mib=suballoc_mib, context_mib=context_mib))
     model = None
     if progress_curve is not None:
         model = workload.ProgressModel(
@@ -361,5 +394,15 @@ def run_cmd(
         progress=model,
         evaluation_file=progress_file,
         evaluation_interval_s=progress_interval_s,
+        managed=managed,
     )
     sys.exit(workload.run_workload(spec))
+
+
+def _register_replay() -> None:
+    from gpuwatch.cli.sim_replay import replay_cmd  # click only: the sim package loads in the command
+
+    sim.add_command(replay_cmd)
+
+
+_register_replay()

@@ -6,7 +6,10 @@ gpuwatch sees a real process doing real (simulated) GPU work:
 
 * memory pattern: `hold` allocates `steps` x `mib_per_step` and keeps it; `leak` keeps
   allocating every interval until the device is full (or `steps` is reached); `free`
-  allocates, holds for one interval and frees, in a loop;
+  allocates, holds for one interval and frees, in a loop; with `managed` the steps are
+  cuMemAllocManaged (nvidia-uvm) instead of cuMemAlloc. How the stub turns them into
+  driver calls (RM_ALLOC or VID_HEAP_CONTROL, chunks, context memory) is the
+  environment's (`gpuwatch.sim.node.driver_env`, `gpuwatch sim run --alloc-path ...`);
 * kernel duty: kernels of `kernel_ms` are launched with idle gaps so that the process
   is busy `duty` of the time;
 * progress: a counter of completed work units (kernels + allocation steps), written to
@@ -111,6 +114,7 @@ class WorkloadSpec:
     progress: ProgressModel | None = None  # the job's evaluation function, None: none
     evaluation_file: Path | None = None  # where the evaluation value is rewritten
     evaluation_interval_s: float = 0.2  # how often at most
+    managed: bool = False  # allocate with cuMemAllocManaged (nvidia-uvm), not cuMemAlloc
 
     def validate(self) -> None:
         if self.pattern not in PATTERNS:
@@ -146,6 +150,7 @@ class StubCuda:
                 fix="run `gpuwatch sim up` and launch workloads with `gpuwatch sim run`",
             ) from err
         self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+        self.lib.cuMemAllocManaged.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t, ctypes.c_uint]
         self.lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
         self.lib.cuLaunchKernel.argtypes = (
             [ctypes.c_void_p]
@@ -166,9 +171,14 @@ class StubCuda:
         ctx = ctypes.c_void_p()
         self.check(self.lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate_v2")
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, managed: bool = False) -> int:
         ptr = ctypes.c_ulonglong()
-        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc_v2({nbytes})")
+        if managed:
+            attach_global = 1  # CU_MEM_ATTACH_GLOBAL
+            self.check(self.lib.cuMemAllocManaged(ctypes.byref(ptr), nbytes, attach_global),
+                       f"cuMemAllocManaged({nbytes})")
+        else:
+            self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc_v2({nbytes})")
         return ptr.value
 
     def free(self, ptr: int) -> None:
@@ -310,7 +320,7 @@ class Workload:
             self._next_kernel = max(self._next_kernel + (_runnable_s() - r0) / spec.duty, time.monotonic() - 0.5)
 
     def _allocate(self, nbytes: int) -> None:
-        self.held.append(self.cuda.alloc(nbytes))
+        self.held.append(self.cuda.alloc(nbytes, managed=self.spec.managed))
         self.held_bytes += nbytes
         self.progress += 1
         self._write_progress()
