@@ -165,7 +165,7 @@ def ledger_of(node: SimNode, pid: int, gpu: int) -> Any:
 
 def nvml_used(node: SimNode, gpu: int) -> dict[str, int]:
     """NVML's per-process used memory on `gpu` (pynvml on the fake, a fresh process)."""
-    return run_nvml(  # type: ignore[no-any-return]
+    return run_nvml(
         node,
         f"h = pynvml.nvmlDeviceGetHandleByIndex({gpu})\n"
         "print(json.dumps({str(p.pid): p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}))",
