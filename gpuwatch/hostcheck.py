@@ -125,12 +125,22 @@ def cgroup_mode(proc_root: str = "/proc") -> tuple[str, str | None]:
 
 
 def check_cgroups(roots: HostRoots = HostRoots()) -> Check:
-    mode, mount = cgroup_mode(roots.proc_root)
-    if mode in ("v2", "hybrid"):
-        return Check("cgroups", Status.OK, f"{mode} (cgroup2 at {mount})")
-    return Check("cgroups", Status.WARN, f"cgroup mode {mode}",
-                 loses="cgroup ids for BPF attribution, cgroup.freeze and cgroup.kill",
-                 fix="boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1) or hybrid mode")
+    mounts = discover_mounts(roots.proc_root)
+    mode, mount = mounts.mode, mounts.unified
+    if mode not in ("v2", "hybrid"):
+        return Check("cgroups", Status.WARN, f"cgroup mode {mode}",
+                     loses="cgroup ids for BPF attribution, cgroup.freeze and cgroup.kill",
+                     fix="boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1) or hybrid mode")
+    found = f"{mode} (cgroup2 at {mount})"
+    v2 = mounts.unified_hierarchy
+    if v2 is not None and v2.mount_root != "/":
+        if not v2.ns_root_known:
+            return Check("cgroups", Status.WARN, f"{found}, own cgroup namespace not placed in the host's hierarchy",
+                         loses="cgroup ids and directories of containers outside the agent's cgroup namespace: "
+                               "per-container probe counters, pause/throttle of other pods",
+                         fix="run the agent with the host PID namespace and the host's /sys/fs/cgroup mounted")
+        found += f", own cgroup namespace rooted at {v2.ns_root}"
+    return Check("cgroups", Status.OK, found)
 
 
 def check_tracepoints(roots: HostRoots = HostRoots()) -> Check:

@@ -21,6 +21,7 @@ module; nothing else parses mountinfo.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from gpuwatch.containers.procfs import parse_cgroup_file, read_text
 from gpuwatch.errors import GpuwatchError
+
+log = logging.getLogger(__name__)
 
 
 class CgroupUnavailable(GpuwatchError):
@@ -321,10 +324,14 @@ def place_namespace(mounts: CgroupMounts, own_cgroup_text: str, pid: int) -> Cgr
         root = find_namespace_root(h.mount_point, h.ups, own_path or "/", pid) if own_path is not None else None
         name = "v2" if h.is_v2 else ",".join(h.controllers)
         if root is None:
-            notes.append(f"cgroup {name} at {h.mount_point}: our cgroup namespace root could not be placed; "
-                         "cgroups outside the namespace have no directory here")
+            note = (f"cgroup {name} at {h.mount_point}: our cgroup namespace root could not be placed; "
+                    "cgroups outside the namespace have no directory or id here (no cgroup ids for the probes' "
+                    "counters, no pause/throttle of other pods)")
+            log.warning("%s", note)
+            notes.append(note)
             placed.append(h)
         else:
+            log.debug("cgroup %s: our cgroup namespace root is %s", name, root)
             placed.append(replace(h, ns_root=root, ns_root_known=True))
     return CgroupMounts(tuple(placed), tuple(notes))
 

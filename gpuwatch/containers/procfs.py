@@ -66,10 +66,15 @@ def parse_cgroup_file(text: str) -> CgroupFile:
 _V1_PREFERENCE = ("name=systemd", "cpu", "cpuacct", "memory", "pids", "devices", "cpuset", "blkio", "freezer")
 
 
+_parse_path = parse_cgroup_path.__wrapped__  # uncached: the resolver's path cache is the cache
+
+
 def identity_rank(path: str) -> int:
     """How much a cgroup path says about who a process is: 3 a container, 2 a pod-level
     cgroup, 1 anything else below the root (a unit, a session, an unknown cgroup), 0 the root."""
-    ident = parse_cgroup_path(path)
+    if path.strip("/. ") == "":
+        return 0
+    ident = _parse_path(path)
     if ident.container_id:
         return 3
     if ident.pod_uid:
@@ -87,7 +92,14 @@ def choose_cgroup_path(cg: CgroupFile) -> CgroupChoice:
     equally much: name=systemd, else the path shared by the most controllers.
     """
     unified_rank = identity_rank(cg.unified) if cg.unified is not None else -1
-    ranked = [(identity_rank(p), c, p) for c, p in cg.v1]
+    if unified_rank == 3:  # the unified line names a container: nothing can say more
+        assert cg.unified is not None
+        return CgroupChoice(cg.unified, "", cg.unified)
+    ranks: dict[str, int] = {}  # v1 lines mostly repeat one path: judge each path once
+    for _, p in cg.v1:
+        if p not in ranks:
+            ranks[p] = identity_rank(p)
+    ranked = [(ranks[p], c, p) for c, p in cg.v1]
     best_rank = max((r for r, _, _ in ranked), default=-1)
     if cg.unified is not None and unified_rank >= best_rank:
         return CgroupChoice(cg.unified, "", cg.unified)

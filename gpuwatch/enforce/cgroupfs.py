@@ -39,10 +39,17 @@ def normalise_cgroup_path(cgroup_path: str) -> str:
 
 def _normalise(cgroup_path: str) -> str:
     path = "/" + cgroup_path.strip().strip("/")
-    if path == "/" or ".." in Path(path).parts:
+    if path == "/":
         raise EnforcementError(
             f"refusing to act on cgroup path {cgroup_path!r}",
             fix="enforcement targets must be a container's own cgroup, never the root",
+        )
+    if ".." in Path(path).parts:
+        raise EnforcementError(
+            f"refusing to act on cgroup path {cgroup_path!r}: it lies outside the agent's cgroup namespace, "
+            "which could not be placed in the host's hierarchy",
+            fix="mount the host's cgroup tree into the agent (hostPath /sys/fs/cgroup) or run it in the host "
+                "cgroup namespace; `gpuwatch doctor` shows what it found",
         )
     return path
 

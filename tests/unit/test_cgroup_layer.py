@@ -19,7 +19,7 @@ from gpuwatch.containers.cgroupfs import (
 from gpuwatch.containers.pidcgroup import cgroup_id_of_pid
 from gpuwatch.enforce.cgroupfs import CgroupTree
 from gpuwatch.errors import EnforcementError
-from gpuwatch.hostcheck import cgroup_mode
+from gpuwatch.hostcheck import HostRoots, Status, cgroup_mode, check_cgroups
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -74,7 +74,7 @@ def test_join_cgroup_path(base: str, rel: str, want: str | None) -> None:
     assert join_cgroup_path(base, rel) == want
 
 
-PID = 4242
+PID = 4242 if os.getpid() != 4242 else 4243  # the fixture agent; never this test process
 
 
 def _namespace_host(tmp_path: Path, own: str = "0::/\n6:freezer:/\n") -> tuple[Path, Path]:
@@ -150,3 +150,16 @@ def test_this_machine(tmp_path: Path) -> None:
     m = discover_mounts()
     assert m.unified is not None and os.path.isfile(os.path.join(m.unified, "cgroup.procs"))
     assert all(h.ns_root_known for h in m.hierarchies)
+
+
+def test_doctor_says_where_our_cgroup_namespace_sits(tmp_path: Path) -> None:
+    proc, _ = _namespace_host(tmp_path)
+    (tmp_path / "unified/gpuwatch/agent/cgroup.procs").write_text(f"{os.getpid()}\n")
+    check = check_cgroups(HostRoots(proc_root=str(proc)))
+    assert check.status == Status.OK and "own cgroup namespace rooted at /gpuwatch/agent" in check.found
+
+
+def test_doctor_warns_when_our_cgroup_namespace_cannot_be_placed(tmp_path: Path) -> None:
+    proc, _ = _namespace_host(tmp_path)  # our real pid is in none of the fixture's cgroups
+    check = check_cgroups(HostRoots(proc_root=str(proc)))
+    assert check.status == Status.WARN and "pause/throttle of other pods" in check.loses
