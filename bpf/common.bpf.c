@@ -19,7 +19,11 @@ BPF_F_TABLE("percpu_hash", struct gw_ioctl_key, struct gw_ioctl_val, gw_ioctls, 
             BPF_F_NO_PREALLOC);
 BPF_HASH(gw_mem, struct gw_mem_key, struct gw_mem_val, GW_MAX_CGROUPS);
 BPF_HASH(gw_rm, struct gw_rm_key, struct gw_rm_val, GW_MAX_RM_ALLOCS);
-BPF_HASH(gw_devh, struct gw_rm_key, struct gw_devh_val, GW_MAX_TGIDS);
+BPF_HASH(gw_clients, struct gw_client_key, struct gw_client_val, GW_MAX_RM_CLIENTS);
+BPF_HASH(gw_gpu_minor, u32, u32, GW_MAX_GPU_IDS);
+BPF_HASH(gw_gpu_instance, u32, u32, GW_MAX_GPU_IDS);
+BPF_F_TABLE("percpu_hash", struct gw_ioctl_key, struct gw_ioctl_val, gw_uvm_ioctls, GW_MAX_UVM_KEYS,
+            BPF_F_NO_PREALLOC);
 BPF_HASH(gw_cuda, struct gw_cuda_key, struct gw_cuda_val, GW_MAX_CUDA_ALLOCS);
 BPF_HASH(gw_cudainf, u32, struct gw_cuda_inflight, GW_MAX_INFLIGHT);
 BPF_HASH(gw_limits, u64, struct gw_limit, GW_MAX_CGROUPS);
@@ -35,22 +39,26 @@ static __always_inline void gw_stat(u32 idx)
 static __always_inline void gw_emit(u32 type, u64 cgroup_id, u64 bytes, u64 value, u32 device,
                                     u32 source, u32 kind)
 {
-    struct gw_event ev = {};
+    /* reserved in the ring itself: no 80-byte copy on the (512-byte) BPF stack */
+    struct gw_event *ev = gw_events.ringbuf_reserve(sizeof(struct gw_event));
+    if (!ev) {
+        gw_stat(GW_STAT_EVENTS_DROPPED);
+        return;
+    }
     u64 id = bpf_get_current_pid_tgid();
 
-    ev.ts_ns = bpf_ktime_get_ns();
-    ev.cgroup_id = cgroup_id;
-    ev.bytes = bytes;
-    ev.value = value;
-    ev.type = type;
-    ev.tgid = id >> 32;
-    ev.tid = (u32)id;
-    ev.device = device;
-    ev.source = source;
-    ev.kind = kind;
-    bpf_get_current_comm(&ev.comm, sizeof(ev.comm));
-    if (gw_events.ringbuf_output(&ev, sizeof(ev), 0) != 0)
-        gw_stat(GW_STAT_EVENTS_DROPPED);
+    ev->ts_ns = bpf_ktime_get_ns();
+    ev->cgroup_id = cgroup_id;
+    ev->bytes = bytes;
+    ev->value = value;
+    ev->type = type;
+    ev->tgid = id >> 32;
+    ev->tid = (u32)id;
+    ev->device = device;
+    ev->source = source;
+    ev->kind = kind;
+    bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
+    gw_events.ringbuf_submit(ev, 0);
 }
 
 /* The process's GPU state, created on its first device open or CUDA call. Every charge of

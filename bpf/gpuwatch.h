@@ -24,7 +24,19 @@
 #define GW_MAX_CGROUPS 4096      /* cgroups with counters */
 #endif
 #ifndef GW_MAX_RM_ALLOCS
-#define GW_MAX_RM_ALLOCS 65536   /* live (tgid, hRoot, hObject) video-memory objects */
+#define GW_MAX_RM_ALLOCS 65536   /* live (tgid, hRoot, hObject) RM objects, any class */
+#endif
+#ifndef GW_MAX_RM_CLIENTS
+#define GW_MAX_RM_CLIENTS 16384  /* live (tgid, hClient) RM clients */
+#endif
+#ifndef GW_MAX_GPU_IDS
+#define GW_MAX_GPU_IDS 64        /* host-wide gpu_id -> minor and device instance -> gpu_id */
+#endif
+#ifndef GW_MAX_UVM_KEYS
+#define GW_MAX_UVM_KEYS 4096     /* (cgroup, nvidia-uvm ioctl number) counters */
+#endif
+#ifndef GW_RM_DEPTH
+#define GW_RM_DEPTH 6            /* object levels walked from an object up to its client */
 #endif
 #ifndef GW_MAX_CUDA_ALLOCS
 #define GW_MAX_CUDA_ALLOCS 65536 /* live (tgid, ptr) CUDA allocations */
@@ -58,14 +70,32 @@
 #define GW_NV_ESC_RM_FREE 0x29
 #define GW_NV_ESC_RM_CONTROL 0x2A
 #define GW_NV_ESC_RM_ALLOC 0x2B
+#define GW_NV_ESC_RM_VID_HEAP_CONTROL 0x4A
+#define GW_NV_ESC_CARD_INFO 200
 #define GW_NV_ESC_IOCTL_XFER_CMD 211
-#define GW_NVOS21_SIZE 32
-#define GW_NVOS64_SIZE 48
-#define GW_NVOS00_SIZE 16
+#define GW_NVOS21_SIZE 32        /* RM_ALLOC: hRoot@0 hObjectParent@4 hObjectNew@8 hClass@12 pAllocParms@16 paramsSize@24 status@28 */
+#define GW_NVOS64_SIZE 48        /* RM_ALLOC: as NVOS21 to @16, paramsSize@32 status@40 */
+#define GW_NVOS00_SIZE 16        /* RM_FREE: hRoot@0 hObjectParent@4 hObjectOld@8 status@12 */
+#define GW_NVOS54_SIZE 32        /* RM_CONTROL: hClient@0 hObject@4 cmd@8 params@16 paramsSize@24 status@28 */
+#define GW_NVOS32_SIZE 184       /* VID_HEAP_CONTROL: hRoot@0 hObjectParent@4 function@8 status@20, data@40 */
+#define GW_XFER_SIZE 16          /* nv_ioctl_xfer_t: cmd@0 size@4 ptr@8 */
+#define GW_CARD_INFO_SIZE 72     /* nv_ioctl_card_info_t: valid@0 (u8) gpu_id@16 minor_number@56 */
+#define GW_CARD_INFO_MAX 32
+#define GW_NV01_ROOT 0x0
+#define GW_NV01_ROOT_NON_PRIV 0x1
+#define GW_NV01_ROOT_CLIENT 0x41
 #define GW_NV01_DEVICE_0 0x80
+#define GW_NV20_SUBDEVICE_0 0x2080
 #define GW_NV01_MEMORY_LOCAL_USER 0x40
 #define GW_NV01_MEMORY_LOCAL_PHYSICAL 0xC2
-#define GW_NV_MEMORY_PARAMS_SIZE_OFFSET 64
+#define GW_NV_MEMORY_PARAMS_SIZE_OFFSET 64   /* NV_MEMORY_ALLOCATION_PARAMS.size (u64) */
+#define GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO 0x202
+#define GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 0x205   /* params: gpuId@0 gpuFlags@4 deviceInstance@8 */
+#define GW_NVOS32_FUNCTION_ALLOC_SIZE 2   /* data.AllocSize: hMemory@44 flags@52 attr@56 size@88 */
+#define GW_NVOS32_FUNCTION_FREE 3         /* data.Free: owner@40 hMemory@44 flags@48 */
+#define GW_NVOS32_ATTR_LOCATION_SHIFT 25  /* attr bits 26:25; VIDMEM = 0 */
+#define GW_NVOS32_ALLOC_FLAGS_VIRTUAL 0x80000
+#define GW_NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED 0x1
 
 /* ---- CUDA ------------------------------------------------------------------------------ */
 #define GW_CUDA_SUCCESS 0
@@ -108,7 +138,12 @@
 #define GW_STAT_EXITS 9
 #define GW_STAT_READ_FAULTS 10
 #define GW_STAT_FORK_FDS_UNSCANNED 11  /* fork of a GPU process with device fds >= GW_FORK_FD_SCAN */
-#define GW_STAT_COUNT 12
+#define GW_STAT_RM_CLIENT_OVERFLOW 12  /* gw_clients full: the client's objects are charged to the fd of each call */
+#define GW_STAT_RM_CHAIN_BROKEN 13     /* object under a freed/closed parent (its bytes were already released) */
+#define GW_STAT_RM_DEPTH_EXCEEDED 14   /* parent chain deeper than GW_RM_DEPTH: bytes not charged */
+#define GW_STAT_GPU_MAP_OVERFLOW 15    /* gw_gpu_minor / gw_gpu_instance full */
+#define GW_STAT_UVM_OVERFLOW 16        /* gw_uvm_ioctls full */
+#define GW_STAT_COUNT 17
 
 /* ---- syscall tracepoint contexts (stable ABI: 8-byte common header, nr, args at 16+8i) -- */
 struct gw_sys_enter_args {
@@ -167,22 +202,21 @@ struct gw_open_inflight {
     __u32 minor;
 };
 
-/* in-flight ioctl on a tracked fd, key __u32 tid */
+/* in-flight ioctl on a tracked fd, key __u32 tid: what the exit needs to read the answer */
 struct gw_ioctl_inflight {
     __u64 params;               /* user address of the (inner) parameter struct */
-    __u64 alloc_bytes;          /* decoded size for a memory-class RM_ALLOC, else 0 */
     __u32 fd;
-    __u32 nr;                   /* (inner) escape number */
+    __u32 nr;                   /* _IOC_NR, the whole inner cmd of IOCTL_XFER_CMD, or the bare UVM number */
     __u32 size;                 /* (inner) parameter size */
-    __u32 device;               /* device slot the call targets */
-    __u32 h_class;              /* RM_ALLOC class */
-    __u32 pad;
+    __u32 device;               /* slot of the fd's GPU node (GW_DEV_UNKNOWN for ctl/uvm) */
+    __u32 kind;                 /* GW_KIND_* of the fd */
+    __u32 rm;                   /* 1: an RM escape ('F' magic, not nvidia-uvm): decoded at exit */
 };
 
 /* ---- per-cgroup counters ------------------------------------------------------------------ */
-struct gw_ioctl_key {
+struct gw_ioctl_key {           /* gw_ioctls (RM escapes) and gw_uvm_ioctls (bare UVM numbers) */
     __u64 cgroup_id;
-    __u32 nr;                   /* _IOC_NR, or the inner escape of IOCTL_XFER_CMD */
+    __u32 nr;                   /* _IOC_NR, the inner cmd of IOCTL_XFER_CMD, or the UVM number */
     __u32 pad;
 };
 
@@ -216,7 +250,13 @@ struct gw_limit {
     __u32 pad;
 };
 
-/* ---- live allocations --------------------------------------------------------------------- */
+/* ---- the RM object model: clients and their objects ------------------------------------------
+ * gw_clients (tgid, hClient) -> the client's generation, the fd it was allocated on (closing
+ * that fd frees it) and its live bytes per device slot. gw_rm (tgid, hRoot, hObject) -> one
+ * object of any class with its parent. Every object's `bytes` is its own size (video memory)
+ * plus the live bytes of its descendants, so freeing a parent releases its whole subtree with
+ * no recursion; descendants of a freed parent are recognised by a parent generation that no
+ * longer matches (see bpf/ioctl.bpf.c). */
 struct gw_rm_key {
     __u32 tgid;
     __u32 h_root;
@@ -225,11 +265,29 @@ struct gw_rm_key {
 };
 
 struct gw_rm_val {
-    __u64 bytes;
+    __s64 bytes;                /* own video memory + live bytes of all descendants */
+    __u64 gen;                  /* unique per object */
+    __u64 parent_gen;           /* gen of the parent (client or object) at creation; 0: a root */
     __u64 tgid_gen;
-    __u64 fd_gen;
+    __u64 fd_gen;               /* the accounting fd: the client's (a root: the fd of the call) */
     __u32 fd;
-    __u32 device;
+    __u32 device;               /* device slot: the device ancestor's GPU (children inherit it) */
+    __u32 h_parent;
+    __u32 h_class;
+};
+
+struct gw_client_key {
+    __u32 tgid;
+    __u32 h_client;
+};
+
+struct gw_client_val {
+    __u64 gen;
+    __u64 tgid_gen;
+    __u64 fd_gen;               /* the fd the client was allocated on */
+    __u32 fd;
+    __u32 pad;
+    __s64 bytes[GW_DEV_SLOTS];  /* live bytes of the client's objects per device slot */
 };
 
 struct gw_cuda_key {
@@ -267,12 +325,10 @@ struct gw_event {
     char comm[16];
 };
 
-/* ---- device-handle map: (tgid, hRoot, hDevice) -> device index (class 0x80 allocs) ------- */
-struct gw_devh_val {
-    __u32 device;
-    __u32 pad;
-    __u64 tgid_gen;
-};
+/* ---- device mapping (host-wide; device instances and gpu ids are host-wide in RM) ----------
+ * gw_gpu_minor: __u32 gpu_id -> __u32 /dev/nvidiaN minor (CARD_INFO answers);
+ * gw_gpu_instance: __u32 RM device instance -> __u32 gpu_id (NV0000 GET_ID_INFO(_V2) answers).
+ * An NV01_DEVICE_0 object's deviceId is the instance: instance -> gpu_id -> minor. */
 
 /* ---- device gate (devicegate.bpf.c: a cgroup device program, loaded on its own) ----------
  * gw_gate_nodes: (major, minor) of each GPU node gpuwatch resolved by stat() of <prefix>N ->

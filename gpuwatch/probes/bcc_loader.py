@@ -52,8 +52,9 @@ PROGRAMS: dict[str, dict[str, str]] = {
     "launch": {"gw_cu_launch": UPROBE, "gw_cu_graph_launch": UPROBE},
 }
 
-MAPS_CORE = ("gw_config", "gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_mem", "gw_rm",
-             "gw_devh", "gw_cuda", "gw_limits", "gw_events")
+MAPS_CORE = ("gw_config", "gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_uvm_ioctls", "gw_mem", "gw_rm",
+             "gw_clients", "gw_gpu_minor", "gw_gpu_instance",
+             "gw_cuda", "gw_limits", "gw_events")
 
 # unit "devicegate": the cgroup device program of device isolation, a compilation unit of
 # its own (loaded only when the enforcer gates devices; attached per cgroup, not traced)

@@ -2,7 +2,8 @@
 
 gw_ioctls (per-CPU: summed over CPUs) gives calls and failures per escape number, gw_mem live
 bytes and counts per device slot (GW_DEV_CUDA: libcuda uprobes), gw_launches (per-CPU, when
-the launch group is on) kernel and graph launches.
+the launch group is on) kernel and graph launches. gw_uvm_ioctls (per-CPU) counts nvidia-uvm
+ioctls apart, by their bare numbers (read_uvm_ioctls).
 """
 
 from __future__ import annotations
@@ -52,6 +53,24 @@ def read_counters(maps: Mapping[str, BpfMap], launches_on: bool, cuda_on: bool) 
                 a.kernel_launches += lv.kernel_launches
                 a.graph_launches += lv.graph_launches
     return tuple(a.counters(cg, launches_on, cuda_on) for cg, a in sorted(acc.items()))
+
+
+def read_uvm_ioctls(maps: Mapping[str, BpfMap]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(cgroup id, nvidia-uvm ioctl number) -> (calls, failures), summed over CPUs. UVM numbers
+    are bare (not 'F'-encoded): they are kept apart from the RM escape counters."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    uvm = maps.get("gw_uvm_ioctls")
+    if uvm is None:
+        return out
+    for key, value in uvm.items():
+        k = layout.GwIoctlKey.from_buffer_copy(key)
+        calls = failures = 0
+        for slot in uvm.percpu_slots(value):
+            v = layout.GwIoctlVal.from_buffer_copy(slot)
+            calls += v.calls
+            failures += v.failures
+        out[(k.cgroup_id, k.nr)] = (calls, failures)
+    return out
 
 
 class _CgroupAcc:

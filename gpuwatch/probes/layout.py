@@ -27,7 +27,32 @@ GW_KIND_OTHER = 4
 
 GW_NV_ESC_RM_ALLOC = 0x2B
 GW_NV_ESC_RM_FREE = 0x29
+GW_NV_ESC_RM_CONTROL = 0x2A
+GW_NV_ESC_RM_VID_HEAP_CONTROL = 0x4A
+GW_NV_ESC_CARD_INFO = 200
 GW_NV_ESC_IOCTL_XFER_CMD = 211
+GW_NVOS21_SIZE = 32
+GW_NVOS64_SIZE = 48
+GW_NVOS00_SIZE = 16
+GW_NVOS54_SIZE = 32
+GW_NVOS32_SIZE = 184
+GW_XFER_SIZE = 16
+GW_CARD_INFO_SIZE = 72
+GW_CARD_INFO_MAX = 32
+GW_NV01_ROOT_CLIENT = 0x41
+GW_NV01_DEVICE_0 = 0x80
+GW_NV20_SUBDEVICE_0 = 0x2080
+GW_NV01_MEMORY_LOCAL_USER = 0x40
+GW_NV01_MEMORY_LOCAL_PHYSICAL = 0xC2
+GW_NV_MEMORY_PARAMS_SIZE_OFFSET = 64
+GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO = 0x202
+GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 = 0x205
+GW_NVOS32_FUNCTION_ALLOC_SIZE = 2
+GW_NVOS32_FUNCTION_FREE = 3
+GW_NVOS32_ATTR_LOCATION_SHIFT = 25
+GW_NVOS32_ALLOC_FLAGS_VIRTUAL = 0x80000
+GW_NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED = 0x1
+GW_RM_DEPTH = 6
 
 GW_EV_NEW_GPU_PROCESS = 1
 GW_EV_OOM = 2
@@ -59,7 +84,12 @@ GW_STAT_EVENTS_DROPPED = 8
 GW_STAT_EXITS = 9
 GW_STAT_READ_FAULTS = 10
 GW_STAT_FORK_FDS_UNSCANNED = 11
-GW_STAT_COUNT = 12
+GW_STAT_RM_CLIENT_OVERFLOW = 12
+GW_STAT_RM_CHAIN_BROKEN = 13
+GW_STAT_RM_DEPTH_EXCEEDED = 14
+GW_STAT_GPU_MAP_OVERFLOW = 15
+GW_STAT_UVM_OVERFLOW = 16
+GW_STAT_COUNT = 17
 
 GW_GATE_MAX_GPUS = 64
 GW_GATE_MAX_NODES = 256
@@ -70,19 +100,29 @@ STAT_NAMES: tuple[str, ...] = (
     "fd_overflow", "tgid_overflow", "cgroup_overflow", "rm_alloc_overflow",
     "cuda_alloc_overflow", "inflight_overflow", "rm_free_unmatched", "cuda_free_unmatched",
     "events_dropped", "exits", "read_faults", "fork_fds_unscanned",
+    "rm_client_overflow", "rm_chain_broken", "rm_depth_exceeded", "gpu_map_overflow", "uvm_overflow",
 )
 
 CONSTANTS: tuple[str, ...] = (
     "GW_PREFIX_MAX", "GW_PATH_MAX", "GW_DEV_SLOTS", "GW_DEV_UNKNOWN", "GW_DEV_CUDA",
     "GW_KIND_CTL", "GW_KIND_GPU", "GW_KIND_UVM", "GW_KIND_OTHER",
-    "GW_NV_ESC_RM_ALLOC", "GW_NV_ESC_RM_FREE", "GW_NV_ESC_IOCTL_XFER_CMD",
+    "GW_NV_ESC_RM_ALLOC", "GW_NV_ESC_RM_FREE", "GW_NV_ESC_RM_CONTROL", "GW_NV_ESC_RM_VID_HEAP_CONTROL",
+    "GW_NV_ESC_CARD_INFO", "GW_NV_ESC_IOCTL_XFER_CMD",
+    "GW_NVOS21_SIZE", "GW_NVOS64_SIZE", "GW_NVOS00_SIZE", "GW_NVOS54_SIZE", "GW_NVOS32_SIZE", "GW_XFER_SIZE",
+    "GW_CARD_INFO_SIZE", "GW_CARD_INFO_MAX", "GW_NV01_ROOT_CLIENT", "GW_NV01_DEVICE_0", "GW_NV20_SUBDEVICE_0",
+    "GW_NV01_MEMORY_LOCAL_USER", "GW_NV01_MEMORY_LOCAL_PHYSICAL", "GW_NV_MEMORY_PARAMS_SIZE_OFFSET",
+    "GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO", "GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2",
+    "GW_NVOS32_FUNCTION_ALLOC_SIZE", "GW_NVOS32_FUNCTION_FREE", "GW_NVOS32_ATTR_LOCATION_SHIFT",
+    "GW_NVOS32_ALLOC_FLAGS_VIRTUAL", "GW_NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED", "GW_RM_DEPTH",
     "GW_EV_NEW_GPU_PROCESS", "GW_EV_OOM", "GW_EV_OVER_LIMIT", "GW_EV_KILL", "GW_EV_STOP",
     "GW_EV_DEVICE_OPEN", "GW_EV_ALLOC", "GW_EV_FREE", "GW_EV_PROCESS_EXIT", "GW_EV_PROCESS_EXEC",
     "GW_SRC_RM", "GW_SRC_CUDA", "GW_ACTION_EVENT", "GW_ACTION_KILL", "GW_ACTION_STOP",
     "GW_STAT_FD_OVERFLOW", "GW_STAT_TGID_OVERFLOW", "GW_STAT_CGROUP_OVERFLOW",
     "GW_STAT_RM_ALLOC_OVERFLOW", "GW_STAT_CUDA_ALLOC_OVERFLOW", "GW_STAT_INFLIGHT_OVERFLOW",
     "GW_STAT_RM_FREE_UNMATCHED", "GW_STAT_CUDA_FREE_UNMATCHED", "GW_STAT_EVENTS_DROPPED",
-    "GW_STAT_EXITS", "GW_STAT_READ_FAULTS", "GW_STAT_FORK_FDS_UNSCANNED", "GW_STAT_COUNT",
+    "GW_STAT_EXITS", "GW_STAT_READ_FAULTS", "GW_STAT_FORK_FDS_UNSCANNED", "GW_STAT_RM_CLIENT_OVERFLOW",
+    "GW_STAT_RM_CHAIN_BROKEN", "GW_STAT_RM_DEPTH_EXCEEDED", "GW_STAT_GPU_MAP_OVERFLOW", "GW_STAT_UVM_OVERFLOW",
+    "GW_STAT_COUNT",
     "GW_GATE_MAX_GPUS", "GW_GATE_MAX_NODES", "GW_GATE_MAX_CGROUPS", "GW_GATE_MAX_DEPTH",
 )
 
@@ -138,7 +178,17 @@ class GwRmKey(ctypes.Structure):
 
 
 class GwRmVal(ctypes.Structure):
-    _fields_ = [("bytes", u64), ("tgid_gen", u64), ("fd_gen", u64), ("fd", u32), ("device", u32)]
+    _fields_ = [("bytes", s64), ("gen", u64), ("parent_gen", u64), ("tgid_gen", u64), ("fd_gen", u64),
+                ("fd", u32), ("device", u32), ("h_parent", u32), ("h_class", u32)]
+
+
+class GwClientKey(ctypes.Structure):
+    _fields_ = [("tgid", u32), ("h_client", u32)]
+
+
+class GwClientVal(ctypes.Structure):
+    _fields_ = [("gen", u64), ("tgid_gen", u64), ("fd_gen", u64), ("fd", u32), ("pad", u32),
+                ("bytes", s64 * GW_DEV_SLOTS)]
 
 
 class GwCudaKey(ctypes.Structure):
@@ -147,10 +197,6 @@ class GwCudaKey(ctypes.Structure):
 
 class GwCudaVal(ctypes.Structure):
     _fields_ = [("bytes", u64), ("tgid_gen", u64)]
-
-
-class GwDevhVal(ctypes.Structure):
-    _fields_ = [("device", u32), ("pad", u32), ("tgid_gen", u64)]
 
 
 class GwEvent(ctypes.Structure):
@@ -187,7 +233,8 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "gw_rm_val": GwRmVal,
     "gw_cuda_key": GwCudaKey,
     "gw_cuda_val": GwCudaVal,
-    "gw_devh_val": GwDevhVal,
+    "gw_client_key": GwClientKey,
+    "gw_client_val": GwClientVal,
     "gw_event": GwEvent,
     "gw_gate_node_key": GwGateNodeKey,
     "gw_gate_node": GwGateNode,

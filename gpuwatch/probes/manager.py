@@ -30,7 +30,7 @@ from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.model import ProbeCounters
 from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
-from gpuwatch.probes.counters import read_counters
+from gpuwatch.probes.counters import read_counters, read_uvm_ioctls
 from gpuwatch.probes.elf import ElfError, symbol_offsets
 from gpuwatch.probes.events import ProbeEvent
 from gpuwatch.probes.libcuda import LibraryCopy, discover
@@ -350,6 +350,20 @@ class ProbeManager:
         return read_counters(self._maps, launches_on=self.config.launch_uprobes,
                              cuda_on=self.config.alloc_uprobes)
 
+    @_locked
+    def uvm_ioctls(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """nvidia-uvm ioctls per (cgroup id, bare ioctl number) -> (calls, failures): counted
+        apart from the RM escapes (their numbers collide); managed memory is not RM bytes."""
+        return read_uvm_ioctls(self._maps)
+
+    @_locked
+    def gpu_mapping(self) -> dict[str, dict[int, int]]:
+        """What the probes learned host-wide from the driver's answers: gpu_id -> minor
+        (CARD_INFO) and RM device instance -> gpu_id (GET_ID_INFO(_V2))."""
+        def read(name: str) -> dict[int, int]:
+            return {struct.unpack("<I", k)[0]: struct.unpack("<I", v[:4])[0] for k, v in self._map(name).items()}
+        return {"gpu_id_to_minor": read("gw_gpu_minor"), "instance_to_gpu_id": read("gw_gpu_instance")}
+
     def poll_events(self, timeout_ms: int) -> list[ProbeEvent]:
         """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop).
         Waits without holding the manager's lock, so read() and stop() are never blocked."""
@@ -454,4 +468,5 @@ class ProbeManager:
     @_locked
     def live_entries(self) -> dict[str, int]:
         """Current number of entries in the bounded per-process maps."""
-        return {name: len(self._map(name)) for name in ("gw_tgids", "gw_fds", "gw_rm", "gw_cuda", "gw_devh")}
+        return {name: len(self._map(name))
+                for name in ("gw_tgids", "gw_fds", "gw_rm", "gw_clients", "gw_cuda", "gw_gpu_minor", "gw_gpu_instance")}

@@ -21,8 +21,8 @@ from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.probes import bpfsys, layout
 
 BPFFS = Path("/sys/fs/bpf")
-PERSISTENT_MAPS = ("gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_mem", "gw_rm", "gw_devh", "gw_cuda",
-                   "gw_limits", "gw_launches")
+PERSISTENT_MAPS = ("gw_stats", "gw_tgids", "gw_fds", "gw_ioctls", "gw_uvm_ioctls", "gw_mem", "gw_rm",
+                   "gw_clients", "gw_gpu_minor", "gw_gpu_instance", "gw_cuda", "gw_limits", "gw_launches")
 
 
 @dataclass

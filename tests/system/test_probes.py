@@ -184,7 +184,7 @@ def test_ioctl_counts_and_decoded_bytes_per_cgroup(lab: Lab, manager: ProbeManag
                   "ioctl", "0", "0x2a", "5",                              # 5 x RM_CONTROL
                   "rmalloc", "1", "7", "100", "0x40", str(3 * MiB), "21",  # on nvidia0
                   "rmalloc", "0", "7", "101", "0x40", "4096", "64",        # on ctl, NVOS64
-                  "rmalloc", "0", "7", "102", "0xc2", "8192", "x21",       # physical, xfer-wrapped
+                  "rmalloc", "0", "7", "102", "0xc2", "8192", "x21",       # physical (no FB memory), xfer
                   "rmalloc", "0", "7", "103", "0x3e", "65536", "21",       # system memory: not counted
                   "rmfree", "0", "7", "101", "00",
                   "pause")
@@ -193,8 +193,9 @@ def test_ioctl_counts_and_decoded_bytes_per_cgroup(lab: Lab, manager: ProbeManag
     assert dict(c.ioctl_calls_by_op) == {"rm_control": 5, "rm_alloc": 4, "rm_free": 1}
     # the nodes are /dev/null: the kernel answers ENOTTY, and the probes say so
     assert c.ioctl_failures_total == 10
-    assert dict(c.allocated_bytes_by_gpu) == {0: 3 * MiB, -1: 8192}
-    assert c.allocations_total == 3 and c.frees_total == 1
+    # NV01_MEMORY_LOCAL_PHYSICAL (0xC2) allocates no framebuffer memory: never counted (issue 11)
+    assert dict(c.allocated_bytes_by_gpu) == {0: 3 * MiB, -1: 0}
+    assert c.allocations_total == 2 and c.frees_total == 1
     w.release()
     assert w.finish() == 0
     wait_for(lambda: dict(counters_for(manager, cg_id).allocated_bytes_by_gpu) == {0: 0, -1: 0})

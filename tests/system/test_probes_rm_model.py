@@ -1,0 +1,220 @@
+"""The kernel decoder follows NVIDIA's RM object model: table-driven cases replayed under the
+real probes (root + BCC).
+
+Each case is one process's driver traffic, hand-built in tests/fixtures/traces/ (written by
+build_cases.py in the trace format of gpuwatch/sim/TRACE_FORMAT.md). `gpuwatch sim replay
+--pause-at-checkpoints` re-issues it on char device nodes under a tmp sim root, inside a
+cgroup of its own; at every checkpoint the test reads the probe maps through the agent's own
+reader (ProbeManager.read -> ProbeCounters.allocated_bytes_by_gpu) and compares the live
+bytes per GPU with the recorded NVML per-process numbers. After the replayer exits, every
+byte must have been released.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.model import ProbeCounters
+from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from gpuwatch.sim.tracefile import read_trace
+from tests.conftest import need_bcc
+
+REPO = Path(__file__).resolve().parents[2]
+TRACES = REPO / "tests" / "fixtures" / "traces"
+CASES = sorted(p.stem for p in TRACES.glob("*.jsonl"))
+MiB = 1 << 20
+
+
+def _cgroup2_root() -> Path:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if parts[2] == "cgroup2":
+            return Path(parts[1])
+    pytest.fail("no cgroup v2 mount found")
+
+
+@pytest.fixture(scope="module")
+def sim_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    need_bcc()
+    root = tmp_path_factory.mktemp("rmsim")
+    dev = root / "dev"
+    dev.mkdir()
+    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+        os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers, as the sim's
+    return root
+
+
+@pytest.fixture(scope="module")
+def manager(sim_root: Path) -> Iterator[ProbeManager]:
+    pm = ProbeManager(ProbeConfig(device_prefix=str(sim_root / "dev" / "nvidia"), alloc_uprobes=False,
+                                  scan_all_processes=False, sweep_interval_s=0.0))
+    pm.start()
+    try:
+        yield pm
+    finally:
+        pm.stop()
+
+
+@pytest.fixture
+def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
+    path = _cgroup2_root() / f"gpuwatch-test-rm-{os.getpid()}-{request.node.name.replace('[', '-').rstrip(']')}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _live_bytes(pm: ProbeManager, cgroup_id: int) -> dict[int, int]:
+    found = [c for c in pm.read() if c.cgroup_id == cgroup_id]
+    return dict(found[0].allocated_bytes_by_gpu) if found else {}
+
+
+def _counters(pm: ProbeManager, cgroup_id: int) -> ProbeCounters:
+    found = [c for c in pm.read() if c.cgroup_id == cgroup_id]
+    assert found, f"no probe counters for cgroup {cgroup_id}"
+    return found[0]
+
+
+class Replay:
+    """`gpuwatch sim replay --pause-at-checkpoints` in its own cgroup."""
+
+    def __init__(self, trace: Path, sim_root: Path, cgroup: Path) -> None:
+        procs = str(cgroup / "cgroup.procs")
+
+        def enter() -> None:  # before exec: every call of the replay is charged to the cgroup
+            with open(procs, "w") as f:
+                f.write("0")
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "sim", "replay", str(trace), "--sim-root", str(sim_root),
+             "--pause-at-checkpoints"], preexec_fn=enter, cwd=REPO, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def checkpoints(self) -> Iterator[dict[str, object]]:
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 30.0)
+            assert ready, "replay stalled"
+            line = self.proc.stdout.readline()
+            if not line:
+                return
+            yield json.loads(line)
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+
+    def finish(self) -> str:
+        _, err = self.proc.communicate(timeout=30)
+        assert self.proc.returncode == 0, err
+        return err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _expected(nvml: list[dict[str, int | None]]) -> dict[int, int]:
+    return {int(n["minor"] or 0): int(n["process_used_bytes"] or 0) for n in nvml}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decoded_live_bytes_match_nvml_at_every_checkpoint(case: str, sim_root: Path, cgroup: Path,
+                                                         manager: ProbeManager) -> None:
+    trace = TRACES / f"{case}.jsonl"
+    recorded = read_trace(trace).checkpoints()
+    cg_id = cgroup.stat().st_ino
+    replay = Replay(trace, sim_root, cgroup)
+    seen = []
+    try:
+        for cp in replay.checkpoints():
+            expected = _expected(cp["nvml"])  # type: ignore[arg-type]
+            live = _live_bytes(manager, cg_id)
+            assert {gpu: live.get(gpu, 0) for gpu in expected} == expected, f"checkpoint {cp['checkpoint']}"
+            assert live.get(-1, 0) == 0, f"bytes on no known GPU at {cp['checkpoint']}"
+            seen.append(cp["checkpoint"])
+        assert "replayed" in replay.finish()
+    finally:
+        replay.kill()
+    assert seen == [c.name for c in recorded]
+    # the replaying process is gone: the driver freed everything, so must the probes
+    deadline = time.monotonic() + 10
+    while any(_live_bytes(manager, cg_id).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(_live_bytes(manager, cg_id).values()) <= {0}
+
+
+def test_uvm_ioctls_are_counted_apart_from_rm_escapes(sim_root: Path, cgroup: Path, manager: ProbeManager) -> None:
+    cg_id = cgroup.stat().st_ino
+    replay = Replay(TRACES / "uvm_apart.jsonl", sim_root, cgroup)
+    try:
+        for _ in replay.checkpoints():
+            uvm = {nr: calls for (cg, nr), (calls, _) in manager.uvm_ioctls().items() if cg == cg_id}
+            assert uvm == {0x30000001: 1, 0x2B: 2}
+            # the one RM_ALLOC escape counted is the memory object's (and the client's, device's)
+            assert dict(_counters(manager, cg_id).ioctl_calls_by_op)["rm_alloc"] == 3
+        replay.finish()
+    finally:
+        replay.kill()
+
+
+def test_device_instances_learned_from_the_driver_answers(sim_root: Path, cgroup: Path,
+                                                          manager: ProbeManager) -> None:
+    replay = Replay(TRACES / "device_instance_not_minor.jsonl", sim_root, cgroup)
+    try:
+        for _ in replay.checkpoints():
+            mapping = manager.gpu_mapping()
+            assert mapping["gpu_id_to_minor"][0xA00] == 1 and mapping["gpu_id_to_minor"][0xB00] == 0
+            assert mapping["instance_to_gpu_id"][0] == 0xA00 and mapping["instance_to_gpu_id"][1] == 0xB00
+        replay.finish()
+    finally:
+        replay.kill()
+
+
+def test_objects_under_a_freed_parent_are_swept(sim_root: Path, cgroup: Path, manager: ProbeManager) -> None:
+    replay = Replay(TRACES / "parent_free_device.jsonl", sim_root, cgroup)
+    pid = replay.proc.pid
+    try:
+        names = []
+        for cp in replay.checkpoints():
+            names.append(cp["checkpoint"])
+            if cp["checkpoint"] == "device-freed":
+                manager.sweep()
+                # left: the client's second device and its memory object (the first device's
+                # subtree and every object under it are gone from the bounded map)
+                assert _objects_of(manager, pid) == 2
+        replay.finish()
+    finally:
+        replay.kill()
+    assert "device-freed" in names
+
+
+def _objects_of(pm: ProbeManager, pid: int) -> int:
+    return sum(1 for key in pm._map("gw_rm") if struct.unpack_from("<I", key, 0)[0] == pid)
+
+
+def test_a_bad_trace_is_reported_with_its_line(tmp_path: Path) -> None:
+    good = (TRACES / "xfer.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    broken = json.loads(good[3])
+    broken["after"] = broken["after"][:-2]  # one byte short of its before image
+    bad.write_text("\n".join([*good[:3], json.dumps(broken), *good[4:]]) + "\n")
+    out = subprocess.run([sys.executable, "-m", "gpuwatch", "sim", "replay", str(bad), "--sim-root", str(tmp_path)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode != 0
+    assert f"{bad}:4:" in out.stderr and "before is" in out.stderr and "Traceback" not in out.stderr
