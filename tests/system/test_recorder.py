@@ -29,6 +29,7 @@ from tests.system.sim_helpers import GIB, MIB, private_node
 
 CSRC = Path(__file__).resolve().parents[2] / "gpuwatch" / "sim" / "csrc"
 CALLS_SRC = Path(__file__).resolve().parent / "test_recorder_calls.c"
+NVML_FIRST_SRC = Path(__file__).resolve().parent / "test_recorder_nvml.c"
 RECORD_SCRIPT = CSRC.parent / "record-on-gpu-host.sh"
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11"]
 
@@ -68,6 +69,7 @@ class Programs:
     recorder: Path
     exercise: Path
     calls: Path
+    nvml_first: Path  # its stand-in libnvidia-ml.so.1 is next to it
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
     GPU-host script compiles them."""
     cc = need_binary("cc", "gcc libc6-dev")
     out = tmp_path_factory.mktemp("gwrec-build")
-    built = Programs(out / "libgwrec.so", out / "cuda_exercise", out / "recorder_calls")
+    built = Programs(out / "libgwrec.so", out / "cuda_exercise", out / "recorder_calls", out / "nvml_first")
     builds = [
         [
             cc,
@@ -91,6 +93,19 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
         ],
         [cc, *CFLAGS, "-o", str(built.exercise), str(CSRC / "cuda_exercise.c"), "-ldl"],
         [cc, *CFLAGS, "-o", str(built.calls), str(CALLS_SRC), "-ldl", "-lpthread"],
+        [cc, *CFLAGS, "-o", str(built.nvml_first), str(NVML_FIRST_SRC), "-ldl"],
+        [
+            cc,
+            *CFLAGS,
+            "-DFAKE_NVML",
+            "-fPIC",
+            "-shared",
+            "-fvisibility=hidden",
+            "-o",
+            str(out / "libnvidia-ml.so.1"),
+            str(NVML_FIRST_SRC),
+            "-lpthread",
+        ],
     ]
     for cmd in builds:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -350,3 +365,31 @@ def test_the_gpu_host_script_records_every_gpu(tmp_path: Path) -> None:
     assert f"traces (2 files) are in {out}/traces" in proc.stdout
     assert "tests/fixtures/traces/real/" in proc.stdout
     assert "SIMULATED node" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["then-the-program", "nvml-only"])
+def test_a_program_whose_first_gpu_access_is_nvml(tmp_path: Path, programs: Programs, mode: str) -> None:
+    """NVML's own opens and ioctls are recorded without asking NVML for the header from
+    inside NVML (the stand-in aborts if re-entered): their lines wait for the header."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for name in ("nvidiactl", "nvidia0"):
+        (devices / name).write_bytes(b"")
+    trace_dir = tmp_path / "traces"
+    env = recorder_env(dict(os.environ), programs, trace_dir, f"{devices}/nvidia")
+    env.update(LD_LIBRARY_PATH=str(programs.nvml_first.parent), FAKE_NVML_DEV=str(devices))
+    env.pop("GPUWATCH_SIM_STATE", None)
+    proc = subprocess.run([str(programs.nvml_first), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (trace,) = trace_dir.glob("*.jsonl")
+    events = read_trace(trace)
+    kinds = [(ev["ev"], ev.get("path")) for ev in events[1:]]
+    if mode == "nvml-only":
+        # the header is written at exit, when NVML may no longer be asked
+        assert events[0]["gpus"] == [] and events[0]["cuda_driver_version"] is None
+        assert kinds == [("open", "/dev/nvidiactl"), ("ioctl", None), ("exit", None)]
+    else:
+        assert events[0]["gpus"] == [
+            {"minor": 0, "uuid": "GPU-fake-nvml", "name": "fake NVML GPU", "memory_total_bytes": GIB}
+        ]
+        assert kinds == [("open", "/dev/nvidiactl"), ("ioctl", None), ("open", "/dev/nvidia0"), ("exit", None)]

@@ -123,6 +123,10 @@ static int g_trace_created;           /* header written for this process */
 static int g_forked_child;            /* tracked fds may have come from the parent */
 static int g_finished;                /* exit line written: record nothing more */
 static int g_failed;                  /* a write failed: recording stopped */
+/* lines that came before the header could be written (see emit) */
+#define PENDING_CAP_BYTES (64ul << 20)
+static char *g_pending;
+static size_t g_pending_len, g_pending_cap;
 
 /* fd -> 1 + index into g_paths (0 = not tracked) */
 static uint8_t g_fd_path[MAX_TRACKED_FD];
@@ -130,6 +134,7 @@ static char g_paths[MAX_PATHS][PATH_CAP];
 static int g_path_count;
 
 static TLS int t_busy;                /* this thread is inside the recorder */
+static TLS void *t_caller;            /* return address of the interposed call being made */
 static TLS char *t_buf;               /* per-thread scratch (mmap'd) */
 static TLS size_t t_buf_cap;
 static pthread_key_t g_buf_key;
@@ -399,10 +404,74 @@ static void write_line_locked(struct out *o)
 
 static void ensure_header(void);
 
-/* Write one finished line (creating the file and its header first). */
+/* Is the interposed call being recorded made by NVML itself? */
+static int caller_is_nvml(void)
+{
+    Dl_info info;
+    if (!t_caller || !dladdr(t_caller, &info) || !info.dli_fname)
+        return 0;
+    return strstr(info.dli_fname, "libnvidia-ml") != NULL;
+}
+
+/* Keep a line until the header can be written; under g_write_lock. */
+static void pending_append_locked(const struct out *o)
+{
+    if (g_pending_len + o->len > g_pending_cap) {
+        size_t cap = g_pending_cap ? g_pending_cap : (1ul << 20);
+        while (cap < g_pending_len + o->len)
+            cap *= 2;
+        void *p = cap > PENDING_CAP_BYTES ? MAP_FAILED
+                                          : (void *)syscall(SYS_mmap, NULL, cap, PROT_READ | PROT_WRITE,
+                                                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            g_failed = 1;
+            warn("too many events before the trace header could be written; recording stopped");
+            return;
+        }
+        if (g_pending) {
+            memcpy(p, g_pending, g_pending_len);
+            syscall(SYS_munmap, g_pending, g_pending_cap);
+        }
+        g_pending = p;
+        g_pending_cap = cap;
+    }
+    memcpy(g_pending + g_pending_len, o->p, o->len);
+    g_pending_len += o->len;
+}
+
+static void pending_flush_locked(void)
+{
+    if (g_pending && !g_failed) {
+        int fd = trace_fd_locked();
+        if (fd < 0 || write_all(fd, g_pending, g_pending_len) < 0) {
+            g_failed = 1;
+            warn("cannot write the trace file; recording stopped");
+        }
+    }
+    if (g_pending)
+        syscall(SYS_munmap, g_pending, g_pending_cap);
+    g_pending = NULL;
+    g_pending_len = g_pending_cap = 0;
+}
+
+/* Write one finished line (creating the file and its header first).
+ *
+ * The header asks NVML for the GPUs. When the call being recorded is NVML's own (a program
+ * whose first GPU access is nvmlInit), asking NVML from inside it would re-enter NVML, so
+ * the line waits in memory until a call from elsewhere, a checkpoint or exit writes the
+ * header. */
 static void emit(struct out *o)
 {
     put(o, "\n", 1);
+    if (!__atomic_load_n(&g_trace_created, __ATOMIC_ACQUIRE) && caller_is_nvml()) {
+        pthread_mutex_lock(&g_write_lock);
+        int waiting = !g_trace_created;
+        if (waiting && !g_finished && !g_failed)
+            pending_append_locked(o);
+        pthread_mutex_unlock(&g_write_lock);
+        if (waiting)
+            return;
+    }
     ensure_header();
     pthread_mutex_lock(&g_write_lock);
     if (!g_finished)
@@ -912,7 +981,7 @@ static void put_checkpoint_gpus(struct out *o)
 
 /* The driver version from /proc/driver/nvidia/version ("NVRM version: ... 550.54.14 ..."),
  * else NVML's; into buf, "" when unknown. */
-static void driver_version(char *buf, size_t cap)
+static void driver_version(char *buf, size_t cap, int use_nvml)
 {
     buf[0] = 0;
     int fd = (int)syscall(SYS_openat, AT_FDCWD, "/proc/driver/nvidia/version", O_RDONLY | O_CLOEXEC);
@@ -936,7 +1005,7 @@ static void driver_version(char *buf, size_t cap)
             }
         }
     }
-    if (nvml_ready() && nvml.driver_version && nvml.driver_version(buf, (unsigned)cap) != 0)
+    if (use_nvml && nvml_ready() && nvml.driver_version && nvml.driver_version(buf, (unsigned)cap) != 0)
         buf[0] = 0;
     buf[cap - 1] = 0;
 }
@@ -976,14 +1045,14 @@ static void put_rfc3339_now(struct out *o)
 
 /* The header line (NVML is asked here, outside any lock of ours: a program thread inside
  * NVML may be waiting for our write lock). */
-static void build_header(struct out *o)
+static void build_header(struct out *o, int use_nvml)
 {
     char host[256] = "";
     gethostname(host, sizeof(host) - 1);
     char version[96];
-    driver_version(version, sizeof(version));
+    driver_version(version, sizeof(version), use_nvml);
     int cuda = 0;
-    int have_cuda = nvml_ready() && nvml.cuda_version && nvml.cuda_version(&cuda) == 0;
+    int have_cuda = use_nvml && nvml_ready() && nvml.cuda_version && nvml.cuda_version(&cuda) == 0;
     puts_(o, "{\"format\": \"gpuwatch-ioctl-trace\", \"version\": 1, \"recorded_at\": ");
     put_rfc3339_now(o);
     puts_(o, ", \"host\": ");
@@ -1000,12 +1069,34 @@ static void build_header(struct out *o)
     else
         puts_(o, ", \"cuda_driver_version\": null");
     putf(o, ", \"simulated\": %s, \"gpus\": ", getenv("GPUWATCH_SIM_STATE") ? "true" : "false");
-    put_header_gpus(o);
+    if (use_nvml)
+        put_header_gpus(o);
+    else
+        puts_(o, "[]");
     puts_(o, "}\n");
 }
 
-/* Create the trace file with its header, then an "open" line for every tracked fd a
- * forked child inherited from its parent. */
+/* Write the header, an "open" line for every tracked fd a forked child inherited from
+ * its parent, then the lines that waited for the header; under g_write_lock. */
+static void write_header_locked(struct out *o)
+{
+    write_line_locked(o);
+    uint64_t t = mono_ns();
+    for (int fd = 0; fd < MAX_TRACKED_FD && g_forked_child && !g_failed; fd++) {
+        if (!tracked(fd))
+            continue;
+        o->len = 0;
+        o->overflow = 0;
+        putf(o, "{\"ev\": \"open\", \"t_ns\": %llu, \"tid\": %ld, \"path\": ", (unsigned long long)t, tid());
+        put_json_str(o, fd_path(fd), strlen(fd_path(fd)));
+        putf(o, ", \"flags\": %d, \"fd\": %d, \"inherited\": true}\n", O_RDWR, fd);
+        write_line_locked(o);
+    }
+    pending_flush_locked();
+    __atomic_store_n(&g_trace_created, 1, __ATOMIC_RELEASE);
+}
+
+/* Create the trace file with its header (NVML is asked first, outside our lock). */
 static void ensure_header(void)
 {
     if (__atomic_load_n(&g_trace_created, __ATOMIC_ACQUIRE))
@@ -1014,23 +1105,10 @@ static void ensure_header(void)
     t_busy = 1;
     char lines[32768];
     struct out o = {lines, 0, sizeof(lines), 0};
-    build_header(&o);
+    build_header(&o, 1);
     pthread_mutex_lock(&g_write_lock);
-    if (!g_trace_created && !g_finished) {
-        write_line_locked(&o);
-        uint64_t t = mono_ns();
-        for (int fd = 0; fd < MAX_TRACKED_FD && g_forked_child && !g_failed; fd++) {
-            if (!tracked(fd))
-                continue;
-            o.len = 0;
-            o.overflow = 0;
-            putf(&o, "{\"ev\": \"open\", \"t_ns\": %llu, \"tid\": %ld, \"path\": ", (unsigned long long)t, tid());
-            put_json_str(&o, fd_path(fd), strlen(fd_path(fd)));
-            putf(&o, ", \"flags\": %d, \"fd\": %d, \"inherited\": true}\n", O_RDWR, fd);
-            write_line_locked(&o);
-        }
-        __atomic_store_n(&g_trace_created, 1, __ATOMIC_RELEASE);
-    }
+    if (!g_trace_created && !g_finished)
+        write_header_locked(&o);
     pthread_mutex_unlock(&g_write_lock);
     t_busy = busy;
 }
@@ -1042,6 +1120,7 @@ API void gwrec_checkpoint(const char *name)
     if (!g_enabled || t_busy || g_finished || g_failed)
         return;
     int saved = errno;
+    t_caller = __builtin_return_address(0);
     t_busy = 1;
     struct out o = line_out(65536);
     putf(&o, "{\"ev\": \"checkpoint\", \"t_ns\": %llu, \"name\": ", (unsigned long long)mono_ns());
@@ -1064,6 +1143,17 @@ static void on_exit_status(int status, void *arg)
     (void)arg;
     if (!g_enabled)
         return;
+    if (g_pending && !g_trace_created) {
+        /* only NVML touched the GPU: header without NVML, whose destructors have run */
+        char lines[32768];
+        struct out header = {lines, 0, sizeof(lines), 0};
+        t_busy = 1;
+        build_header(&header, 0);
+        pthread_mutex_lock(&g_write_lock);
+        if (!g_trace_created && !g_finished)
+            write_header_locked(&header);
+        pthread_mutex_unlock(&g_write_lock);
+    }
     pthread_mutex_lock(&g_write_lock);
     if (g_trace_created && !g_finished && !g_failed) {
         char text[128];
@@ -1087,6 +1177,10 @@ static void atfork_child(void)
     g_trace_path[0] = 0;
     g_trace_created = 0;
     g_forked_child = 1;
+    if (g_pending) /* the parent's lines */
+        syscall(SYS_munmap, g_pending, g_pending_cap);
+    g_pending = NULL;
+    g_pending_len = g_pending_cap = 0;
     /* the child starts a file of its own at its first event */
 }
 
@@ -1120,6 +1214,13 @@ __attribute__((constructor)) static void gwrec_start(void)
 
 /* ---- interposed calls ---- */
 
+/* who made the call (not updated for the recorder's own calls, e.g. into NVML) */
+#define NOTE_CALLER()                                                                    \
+    do {                                                                                 \
+        if (!t_busy)                                                                     \
+            t_caller = __builtin_return_address(0);                                      \
+    } while (0)
+
 static int open_mode_needed(int flags)
 {
     return (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE;
@@ -1135,6 +1236,7 @@ static int open_mode_needed(int flags)
 
 API int open(const char *path, int flags, ...)
 {
+    NOTE_CALLER();
     mode_t mode = 0;
     if (open_mode_needed(flags)) {
         va_list ap;
@@ -1147,6 +1249,7 @@ API int open(const char *path, int flags, ...)
 
 API int open64(const char *path, int flags, ...)
 {
+    NOTE_CALLER();
     mode_t mode = 0;
     if (open_mode_needed(flags)) {
         va_list ap;
@@ -1159,6 +1262,7 @@ API int open64(const char *path, int flags, ...)
 
 API int openat(int dirfd, const char *path, int flags, ...)
 {
+    NOTE_CALLER();
     mode_t mode = 0;
     if (open_mode_needed(flags)) {
         va_list ap;
@@ -1171,6 +1275,7 @@ API int openat(int dirfd, const char *path, int flags, ...)
 
 API int openat64(int dirfd, const char *path, int flags, ...)
 {
+    NOTE_CALLER();
     mode_t mode = 0;
     if (open_mode_needed(flags)) {
         va_list ap;
@@ -1184,26 +1289,31 @@ API int openat64(int dirfd, const char *path, int flags, ...)
 /* the _FORTIFY_SOURCE entry points (no mode argument) */
 API int __open_2(const char *path, int flags)
 {
+    NOTE_CALLER();
     OPEN_BODY(REAL(open, open_fn)(path, flags), AT_FDCWD);
 }
 
 API int __open64_2(const char *path, int flags)
 {
+    NOTE_CALLER();
     OPEN_BODY(REAL(open64, open_fn)(path, flags), AT_FDCWD);
 }
 
 API int __openat_2(int dirfd, const char *path, int flags)
 {
+    NOTE_CALLER();
     OPEN_BODY(REAL(openat, openat_fn)(dirfd, path, flags), dirfd);
 }
 
 API int __openat64_2(int dirfd, const char *path, int flags)
 {
+    NOTE_CALLER();
     OPEN_BODY(REAL(openat64, openat_fn)(dirfd, path, flags), dirfd);
 }
 
 API int close(int fd)
 {
+    NOTE_CALLER();
     int saved_errno = errno;
     int was_tracked = tracked(fd);
     int ret = REAL(close, close_fn)(fd);
@@ -1221,6 +1331,7 @@ API int close(int fd)
 #ifdef SYS_close_range
 API int close_range(unsigned int first, unsigned int last, int flags)
 {
+    NOTE_CALLER();
     int saved_errno = errno;
     close_range_fn fn = REAL(close_range, close_range_fn);
     int ret = fn ? fn(first, last, flags) : (int)syscall(SYS_close_range, first, last, flags);
@@ -1239,6 +1350,7 @@ API int close_range(unsigned int first, unsigned int last, int flags)
 
 API int dup(int oldfd)
 {
+    NOTE_CALLER();
     int saved_errno = errno;
     int fd = REAL(dup, dup_fn)(oldfd);
     int err = errno;
@@ -1249,6 +1361,7 @@ API int dup(int oldfd)
 
 API int dup2(int oldfd, int newfd)
 {
+    NOTE_CALLER();
     int saved_errno = errno;
     int fd = REAL(dup2, dup2_fn)(oldfd, newfd);
     int err = errno;
@@ -1263,6 +1376,7 @@ API int dup2(int oldfd, int newfd)
 
 API int dup3(int oldfd, int newfd, int flags)
 {
+    NOTE_CALLER();
     int saved_errno = errno;
     int fd = REAL(dup3, dup3_fn)(oldfd, newfd, flags);
     int err = errno;
@@ -1287,6 +1401,7 @@ static int fcntl_common(fcntl_fn fn, int fd, int cmd, void *arg)
 
 API int fcntl(int fd, int cmd, ...)
 {
+    NOTE_CALLER();
     va_list ap;
     va_start(ap, cmd);
     void *arg = va_arg(ap, void *);
@@ -1296,6 +1411,7 @@ API int fcntl(int fd, int cmd, ...)
 
 API int fcntl64(int fd, int cmd, ...)
 {
+    NOTE_CALLER();
     va_list ap;
     va_start(ap, cmd);
     void *arg = va_arg(ap, void *);
@@ -1311,6 +1427,7 @@ static int real_ioctl_call(int fd, unsigned long request, void *arg)
 
 API int ioctl(int fd, unsigned long request, ...)
 {
+    NOTE_CALLER();
     va_list ap;
     va_start(ap, request);
     void *arg = va_arg(ap, void *);
@@ -1348,11 +1465,13 @@ static void *mmap_common(mmap_fn fn, void *addr, size_t length, int prot, int fl
 
 API void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
 {
+    NOTE_CALLER();
     return mmap_common(REAL(mmap, mmap_fn), addr, length, prot, flags, fd, offset);
 }
 
 API void *mmap64(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
 {
+    NOTE_CALLER();
     mmap_fn fn = REAL(mmap64, mmap_fn);
     return mmap_common(fn ? fn : REAL(mmap, mmap_fn), addr, length, prot, flags, fd, offset);
 }
