@@ -184,7 +184,7 @@ class Enforcer:
         self._view: tuple[ContainerEnforcement, ...] = ()
         self.recovery_metrics = RecoveryMetrics()
         self.kernel_guard = InKernelGuard(self.audit, dry_run, crosscheck)
-        self.metrics.extra_families.append(self.kernel_guard.metric_family)
+        self.metrics.guard_family = self.kernel_guard.metric_family
         self.recovered = self.actions.control.registry.recover(self._on_recovery) if recover else []
 
     # -- policy -------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class EnforcerMetrics(Collector):
         self._quotas: tuple[tuple[str, int], ...] = ()
         self._gated: tuple[tuple[tuple[str, str, str, str], int], ...] = ()
         self._enforcement: tuple[ContainerEnforcement, ...] = ()
-        self.extra_families: list[Callable[[], Metric]] = []  # e.g. the in-kernel guard's (enforce/crosscheck.py)
+        self.guard_family: Callable[[], Metric] | None = None  # the in-kernel guard's (enforce/crosscheck.py)
 
     def count_action(self, action: str, result: str) -> None:
         with self._lock:
@@ -201,8 +201,9 @@ class EnforcerMetrics(Collector):
             gated_fam.add_metric(list(gpu_labels), count)
         yield gated_fam
         yield from _view_families(enforcement)
-        for family in list(self.extra_families):
-            yield family()
+        guard_family = self.guard_family
+        if guard_family is not None:
+            yield guard_family()
 
 
 def _view_families(enforcement: tuple[ContainerEnforcement, ...]) -> Iterator[Metric]:
