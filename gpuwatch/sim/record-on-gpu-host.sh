@@ -40,7 +40,7 @@ fi
 [ -n "$cc" ] || { echo "no C compiler found: install gcc (apt-get install gcc libc6-dev)" >&2; exit 1; }
 
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
-[ -n "$out" ] || out="$PWD/gwrec-$(hostname)-$stamp"
+[ -n "$out" ] || out="$PWD/gwrec-$(uname -n)-$stamp"
 mkdir -p "$out/build" "$out/traces"
 out=$(cd "$out" && pwd)
 flags="-O2 -g -Wall -Wextra -std=gnu11"
