@@ -3,8 +3,11 @@
 On a host with NVIDIA GPUs: sample them, serve /metrics on 127.0.0.1 and open `top`.
 On a host without: say so loudly, bring up a SIMULATED node (2 GPUs), start 3 pods in
 2 namespaces as real runc containers running simulated GPU workloads, and show the same
-view and exporter over them. Everything started is stopped again on exit (q, Ctrl-C,
-SIGTERM, errors).
+view and exporter over them. As root it runs the real agent (quickstart_agent.py): kernel
+probes on where the host supports them (it says which and, if off, why), and on the
+simulated node the enforcer with deploy/policies/demo.yaml, under which the trainer pod is
+throttled -- its STATE shows it. Everything started is stopped again on exit (q, Ctrl-C,
+SIGTERM, errors), frozen cgroups thawed first.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -71,8 +75,9 @@ def _serve(stack: ExitStack, sampler: Any, host: str, port: int) -> str:
     return f"http://{host}:{server.port}/metrics"
 
 
-def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any]:
-    """Sim node + demo pods; returns (sim node, bundle roots for the identity resolver)."""
+def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any, Callable[[], None]]:
+    """Sim node + demo pods; returns (sim node, bundle roots for the identity resolver, a
+    call that starts the pods: after the agent, so that its probes see them start)."""
     if os.geteuid() != 0:
         raise click.ClickException(
             "the simulated node runs workloads in runc containers, which needs root: "
@@ -91,12 +96,15 @@ def _start_simulation(stack: ExitStack, devices: int) -> tuple[Any, Any]:
     dirs = demo.default_lab_dirs(base)
     lab = ContainerLab(**dirs)
     stack.enter_context(lab)
-    click.echo(f"starting {len(demo.DEFAULT_WORKLOADS)} pods (runc) ...", err=True)
-    demo.start_workloads(lab, sim)
+
+    def start_pods() -> None:
+        click.echo(f"starting {len(demo.DEFAULT_WORKLOADS)} pods (runc) ...", err=True)
+        demo.start_workloads(lab, sim)
+
     bundle_roots = BundleRoots(containerd_tasks=(str(dirs["bundle_root"]),),
                                runc_state=(str(dirs["runc_root"]),),
                                docker_containers=(str(dirs["docker_root"] / "containers"),))
-    return sim, bundle_roots
+    return sim, bundle_roots, start_pods
 
 
 @click.command("quickstart")
@@ -121,10 +129,19 @@ def quickstart(listen: str, interval_s: float, simulate: bool, duration_s: float
     with ExitStack() as stack:
         nvml_library: str | None = None
         bundle_roots = None
+        sim = None
+        start_pods: Callable[[], None] = _nothing
         if simulated:
-            sim, bundle_roots = _start_simulation(stack, devices=2)
+            sim, bundle_roots, start_pods = _start_simulation(stack, devices=2)
             nvml_library = str(sim.libraries.nvml_path)
             os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)  # the fake NVML reads it at init
+        if os.geteuid() == 0:  # the agent: probes, and the enforcer on the simulated node
+            _run_agent(stack, host, port, interval_s, nvml_library, bundle_roots, sim, start_pods, duration_s)
+            click.echo("stopping: containers, simulated node, agent and exporter are being cleaned up", err=True)
+            return
+        start_pods()
+        click.echo("kernel probes: OFF -- not running as root (BPF needs it; `sudo gpuwatch quickstart` "
+                   "turns them on); NVML monitoring only", err=True)
         sampler = build_sampler(nvml_library=nvml_library, interval_s=interval_s,
                                 node=socket.gethostname(), bundle_roots=bundle_roots)
         sampler.start()
@@ -135,11 +152,57 @@ def quickstart(listen: str, interval_s: float, simulate: bool, duration_s: float
         click.echo("stopping: containers, simulated node and exporter are being cleaned up", err=True)
 
 
+def _nothing() -> None:
+    return None
+
+
+def _run_agent(stack: ExitStack, host: str, port: int, interval_s: float, nvml_library: str | None,
+               bundle_roots: Any, sim: Any, start_pods: Callable[[], None], duration_s: float | None) -> None:
+    """Run the real agent (probes; enforcer with the demo policy on the simulated node), say
+    what is on and why not, then show its view (as `gpuwatch top --agent`)."""
+    from gpuwatch.cli.quickstart_agent import AgentViewSource, free_port, probes_summary, start_agent
+    from gpuwatch.sim import demo
+
+    work = Path(tempfile.mkdtemp(prefix="gpuwatch-quickstart-agent-"))
+    stack.callback(shutil.rmtree, work, True)
+    bound = free_port(host, port)
+    if bound != port:
+        click.echo(f"port {port} is busy; serving on {bound} instead", err=True)
+    policy = demo.demo_policy_path() if sim is not None else None
+    click.echo("starting the agent (compiling the kernel probes takes a few seconds) ...", err=True)
+    agent = start_agent(work, host, bound, interval_s, nvml_library, bundle_roots, policy,
+                        device_prefix=str(sim.dev_dir / "nvidia") if sim is not None else "/dev/nvidia",
+                        kmsg_path=str(sim.kmsg_path) if sim is not None else "/dev/kmsg")
+    stack.callback(agent.stop)  # first on the way out: throttled pods are thawed before they stop
+    first = agent.snapshot()
+    start_pods()
+    click.echo(click.style(probes_summary(first, agent.log.lines), bold=True), err=True)
+    if policy is not None:
+        namespace, pod = demo.DEMO_THROTTLED_POD
+        click.echo(click.style(
+            f"enforcer: ON with {demo.DEMO_POLICY_RELPATH} -- {namespace}/{pod} may use 30% GPU time; it uses "
+            f"~60%, so within seconds its STATE reads 'throttled to 30%' (audit log: {work / 'audit.jsonl'})",
+            bold=True), err=True)
+    elif sim is not None:
+        click.echo(f"enforcer: OFF -- {demo.DEMO_POLICY_RELPATH} ships with the source tree, not found here",
+                   err=True)
+    else:
+        click.echo("enforcer: OFF -- no policy on real GPUs (try: gpuwatch agent --policy "
+                   "deploy/policies/alert-only.yaml --dry-run)", err=True)
+    click.echo(f"metrics: {agent.url}/metrics   (try: curl -s {agent.url}/metrics | grep gpuwatch_container; "
+               f"the same view elsewhere: gpuwatch top --agent {agent.url})", err=True)
+    _show_source(AgentViewSource(agent), interval_s, duration_s)
+
+
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
 def _show(sampler: Any, interval_s: float, duration_s: float | None) -> None:
+    _show_source(LatestSource(sampler), interval_s, duration_s)
+
+
+def _show_source(source: Any, interval_s: float, duration_s: float | None) -> None:
     from gpuwatch.tui.render import plain_table
     from gpuwatch.tui.state import ViewState
 
@@ -147,8 +210,8 @@ def _show(sampler: Any, interval_s: float, duration_s: float | None) -> None:
     if sys.stdout.isatty() and duration_s is None:
         from gpuwatch.tui.screen import run_screen
 
-        run_screen(LatestSource(sampler), state)
+        run_screen(source, state)
         return
     wait_s = duration_s if duration_s is not None else 10.0
     time.sleep(max(wait_s, 2 * interval_s + 0.5))
-    click.echo(plain_table(sampler.latest(), state), nl=False)
+    click.echo(plain_table(source.next_snapshot(), state), nl=False)

@@ -78,6 +78,21 @@ def start_workloads(lab: ContainerLab, sim: simnode.SimNode,
     return started
 
 
+DEMO_POLICY_RELPATH = "deploy/policies/demo.yaml"
+"""The quick start's policy: the ml-team trainer may use 30% GPU time, over it it is throttled."""
+
+DEMO_THROTTLED_POD = ("ml-team", "trainer-0")
+"""The pod the demo policy throttles (namespace, pod)."""
+
+
+def demo_policy_path(source_root: Path | None = None) -> Path | None:
+    """deploy/policies/demo.yaml of the source tree gpuwatch runs from, or None when gpuwatch
+    was installed without it (the quick start then runs without enforcement and says so)."""
+    root = source_root if source_root is not None else Path(__file__).resolve().parents[2]
+    path = root / DEMO_POLICY_RELPATH
+    return path if path.is_file() else None
+
+
 def default_lab_dirs(base: Path) -> dict[str, Path]:
     """Work, bundle and runc state dirs of a demo lab under `base`."""
     return {"work_dir": base / "work", "bundle_root": base / "containerd",

@@ -1,12 +1,15 @@
 """The README's main job: `gpuwatch quickstart` on a host without GPUs.
 
 It must say it is a simulation, show the three demo pods with their memory and PIDs, serve
-metrics meanwhile, and leave nothing behind (containers, cgroups, sim state, temp dirs).
+metrics meanwhile, run the kernel probes where the host supports them (and say why not where
+it does not), throttle the trainer pod under the demo policy with its STATE shown, point at
+`gpuwatch trace`, and leave nothing behind (containers, cgroups, sim state, temp dirs).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,14 +23,18 @@ def _leftovers() -> set[str]:
     return set(glob.glob("/tmp/gpuwatch-quickstart-*")) | set(glob.glob("/dev/shm/gpuwatch-sim-quickstart"))
 
 
-def test_quickstart_simulates_three_pods_and_cleans_up() -> None:
+def _bcc_importable() -> bool:
+    return importlib.util.find_spec("bcc") is not None
+
+
+def test_quickstart_simulates_three_pods_with_probes_and_enforcer_and_cleans_up() -> None:
     need_root()
     need_binary("runc", "runc")
     before = _leftovers()
     env = {k: v for k, v in os.environ.items() if k not in ("GPUWATCH_NVML_LIBRARY", "GPUWATCH_SIM_STATE")}
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuwatch", "quickstart", "--simulate", "--duration", "3",
+        [sys.executable, "-m", "gpuwatch", "quickstart", "--simulate", "--duration", "8",
          f"--listen=127.0.0.1:{port}"],
         env=env, capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -38,6 +45,21 @@ def test_quickstart_simulates_three_pods_and_cleans_up() -> None:
         assert memory in line, proc.stdout
         assert "/1" in line, f"host/container PIDs missing: {line}"
     assert f"127.0.0.1:{port}/metrics" in proc.stderr
+    # the probes: on where BCC is there (this host), else off with the agent's reason
+    if _bcc_importable():
+        assert "kernel probes: ON" in proc.stderr, proc.stderr
+        assert "gpuwatch trace" in proc.stderr
+        trainer = next(ln for ln in proc.stdout.splitlines() if "trainer-0" in ln)
+        assert "ioctl " in trainer and "alloc " in trainer, f"no probe counts for the trainer: {trainer}"
+    else:
+        assert "kernel probes: OFF -- " in proc.stderr and "BCC" in proc.stderr, proc.stderr
+    # the enforcer under deploy/policies/demo.yaml: the trainer (60% busy, 30% allowed) is
+    # throttled and says so; the others run
+    assert "enforcer: ON with deploy/policies/demo.yaml" in proc.stderr, proc.stderr
+    states = {pod: next(ln for ln in proc.stdout.splitlines() if pod in ln)
+              for pod in ("trainer-0", "notebook-1", "server-0")}
+    assert "throttled to 30%" in states["trainer-0"], proc.stdout
+    assert "running" in states["notebook-1"] and "running" in states["server-0"], proc.stdout
     assert _leftovers() == before, "quickstart left files behind"
     assert not Path("/run/gpuwatch-sim/quickstart").exists()
     stray = subprocess.run(["pgrep", "-f", "gpuwatch sim run --name quickstart"], capture_output=True, text=True,
