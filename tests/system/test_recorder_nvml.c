@@ -6,6 +6,7 @@
  *     $FAKE_NVML_DEV/nvidiactl and issues an ioctl while holding its own (error-checking)
  *     lock, as a real NVML does; re-entering it from inside that call aborts, so a
  *     recorder that asks NVML for the header at the wrong moment fails loudly;
+ *   its destructor issues one more ioctl (the recorder's exit line must still come last);
  *   the program: nvmlInit_v2, then (unless argv[1] is "nvml-only") an open of
  *     $FAKE_NVML_DEV/nvidia0 by the program itself.
  */
@@ -49,6 +50,13 @@ __attribute__((constructor)) static void setup(void)
     pthread_mutexattr_init(&attr);
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
     pthread_mutex_init(&g_lock, &attr);
+}
+
+__attribute__((destructor)) static void teardown(void)
+{
+    unsigned char params[32] = {0};
+    if (g_fd >= 0)
+        (void)ioctl(g_fd, RM_CONTROL, params);
 }
 
 API int nvmlInit_v2(void)
