@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # gpuwatch setup for a fresh Debian/Ubuntu machine, as root.
 #
-#   bash deploy/setup.sh run     # install everything, then monitor this node (`gpuwatch quickstart`)
+#   bash deploy/setup.sh run     # install everything, then monitor this node (`gpuwatch quickstart`:
+#                                # the agent with its kernel probes; without GPUs a simulated node
+#                                # whose trainer pod the demo policy throttles)
 #   bash deploy/setup.sh test    # install everything, then lint, type-check and run the whole test suite
 #   bash deploy/setup.sh install # install only
 #
@@ -76,6 +78,8 @@ case "$mode" in
   install)
     log "done. Try: .venv/bin/gpuwatch doctor" ;;
   run)
+    log "gpuwatch quickstart: the agent (kernel probes, enforcer with deploy/policies/demo.yaml on a"
+    log "simulated node when there is no GPU) and its live view; q quits and cleans up"
     exec .venv/bin/gpuwatch quickstart ;;
   test)
     log "ruff"
