@@ -1,0 +1,52 @@
+"""benchmarks/bench_pipeline.py --quick: the agent's sample cycle on the simulated node (CI size).
+
+2 GPUs x 20 containers x 2 native GPU processes, the agent's pipeline in its own process.
+Asserted: the run completes with every row of its table, each target row has a verdict and
+the exit status agrees with them, every process is attributed to its container, and the
+identity resolver stays under its 1 ms target for unchanged processes. The full-size run
+(8 x 200 x 4) is the README's; it takes minutes. Medians of a few cycles on a shared
+machine: a run that misses a CPU target is repeated once before the test fails.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import need_root
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "bench_pipeline.py"
+TARGET_ROWS = ("sample cycle minus driver (ms)", "  of which identity resolver (ms)",
+               "scrape, build exposition CPU (ms)", "agent RSS (MiB)")
+
+
+def run_quick() -> tuple[int, str, dict[str, bool]]:
+    out = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode in (0, 1), text
+    assert "Traceback" not in text, text
+    verdicts = {}
+    for label in TARGET_ROWS:
+        line = re.search(rf"^{re.escape(label)}\s.*\s(yes|NO)\b", out.stdout, re.M)
+        assert line, f"no verdict for {label!r}:\n{text}"
+        verdicts[label] = line.group(1) == "yes"
+    return out.returncode, out.stdout, verdicts
+
+
+@pytest.mark.slow
+def test_bench_pipeline_quick_meets_its_targets() -> None:
+    need_root()
+    rc, stdout, verdicts = run_quick()
+    if rc != 0:  # noisy neighbours: one more run before calling it a regression
+        rc, stdout, verdicts = run_quick()
+    assert re.search(r"^40/40 GPU processes ready", stdout, re.M), stdout
+    snapshot = re.search(r"^snapshot: 2 GPUs, 20 containers, .* 40 processes \(0 unattributed\)", stdout, re.M)
+    assert snapshot, stdout
+    assert verdicts["  of which identity resolver (ms)"], stdout
+    assert rc == 0 and all(verdicts.values()), stdout
