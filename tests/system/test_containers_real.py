@@ -276,3 +276,71 @@ def test_agent_in_its_own_cgroup_namespace(pod_container: dict[str, object]) -> 
             for d in (directory, os.path.dirname(directory)):
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
+
+
+PAUSE_TRAINER = """
+tuning: {release_after: 0s, min_hold: 0s}
+rules:
+  - name: pause-trainer
+    match: {pod: trainer-0}
+    limits: {gpu_memory: 1GiB}
+    actions:
+      - {do: pause, at: 100%}
+"""
+
+
+def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
+    """The whole `gpuwatch agent` (probes, sampler, enforcer) started by `unshare --cgroup`
+    from a child cgroup, with the simulated node's runc pods outside it -- issue 12's
+    reproduction. Before the one cgroup layer this served the probes' counters as
+    container="cgroup-id:<n>" without pods and could not pause anything."""
+    from gpuwatch.sim import demo
+    from tests.conftest import need_binary, need_root
+    from tests.system.promstack import free_port
+    from tests.system.test_agent import agent_argv, is_frozen, pods, running_agent, sample, scrape, sim_node, wait_until
+
+    need_root()
+    need_binary("runc", "runc")
+    need_binary("unshare", "util-linux")
+    mounts = discover_mounts()
+    assert mounts.unified is not None
+    agent_cgroup = os.path.join(mounts.unified, f"gpuwatch-test-agentd-{uuid.uuid4().hex[:8]}", "agent")
+    os.makedirs(agent_cgroup)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(PAUSE_TRAINER)
+    port = free_port()
+    try:
+        with sim_node(tmp_path / "node") as sim:
+            argv = ["sh", "-c", f'echo $$ > {agent_cgroup}/cgroup.procs && exec unshare --cgroup "$@"', "sh",
+                    *agent_argv(sim, tmp_path / "node", port, tmp_path, f"--policy={policy}")]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(sim.state_path)}
+            log = tmp_path / "agent.log"
+            with running_agent(argv, env, log, port) as agent, pods(tmp_path / "node", sim) as p:
+                trainer = p.by_pod("trainer-0")
+                others = [c for c in p.containers if c is not trainer]
+
+                def attributed() -> bool:
+                    text = scrape(port)
+                    return all(sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) is not None
+                               for w in demo.DEFAULT_WORKLOADS)
+
+                wait_until(attributed, 30, "the probes' counters with pod labels")
+                text = scrape(port)
+                assert 'container="cgroup-id:' not in text
+                for w in demo.DEFAULT_WORKLOADS:
+                    want = w.memory_mib << 20
+                    assert sample(text, "gpuwatch_container_memory_bytes", namespace=w.namespace, pod=w.pod,
+                                  container=w.container) == want, w
+                    assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == want, w
+                wait_until(lambda: is_frozen(trainer), 30, "the agent to pause the trainer")
+                assert not any(is_frozen(c) for c in others), "only the trainer may be paused"
+                agent.terminate()
+                assert agent.wait(timeout=30) == 0, log.read_text()[-3000:]
+                assert not is_frozen(trainer), "SIGTERM thaws what the agent paused"
+            text = log.read_text()
+            assert "device isolation on" in text, text[-3000:]
+            assert "could not be placed" not in text and "no cgroup v2 hierarchy" not in text
+    finally:
+        for d in (agent_cgroup, os.path.dirname(agent_cgroup)):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
