@@ -251,11 +251,11 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
     assert "rm_alloc bad struct pointer ret=-1 errno=25" in recorded.stdout
 
     traces = traces_in(trace_dir)
-    assert len(traces) == 2, traces  # the program and its forked child
-    by_pid = {pid: read_trace(path) for pid, path in traces.items()}
-    parent_pid = next(pid for pid, ev in by_pid.items() if ev[-1].get("status") == 3)
-    child_pid = next(pid for pid in by_pid if pid != parent_pid)
-    events = by_pid[parent_pid]
+    assert len(traces) == 3, traces  # the program, its forked child, the child it exec'd
+    by_status = {events[-1]["status"]: events for events in map(read_trace, traces.values())}
+    assert sorted(by_status) == [3, 7, 9]
+    parent_pid = by_status[3][0]["pid"]
+    events = by_status[3]
     assert events[0]["simulated"] is False and events[0]["gpus"] == []
     ioctls = [ev for ev in events if ev.get("ev") == "ioctl"]
 
@@ -264,6 +264,7 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
         ("/dev/nvidiactl", True),
         ("/dev/nvidia9", False),
         ("/dev/nvidia-uvm", True),
+        ("/dev/nvidiactl", True),  # kept open across the child's exec
     ]
     assert opens[1]["errno"] == errno.ENOENT
     ctl_fd, uvm_fd = opens[0]["fd"], opens[2]["fd"]
@@ -292,7 +293,8 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
     dups = [(ev["fd"], ev["newfd"]) for ev in events if ev.get("ev") == "dup"]
     assert [d[0] for d in dups] == [ctl_fd] * 4 and [d[1] for d in dups][1:] == [100, 101, 200]
     closed = [ev["fd"] for ev in events if ev.get("ev") == "close"]
-    assert closed == [dups[0][1], 100, 101, 200, uvm_fd, ctl_fd]  # 9999 and "unrelated" are not tracked
+    kept = opens[3]["fd"]
+    assert closed == [dups[0][1], 100, 101, 200, kept, uvm_fd, ctl_fd]  # 9999 and "unrelated" are not tracked
     (mapping,) = [ev for ev in events if ev.get("ev") == "mmap"]
     assert (mapping["fd"], mapping["length"], mapping["ret_ok"]) == (ctl_fd, 4096, True)
 
@@ -310,13 +312,21 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
     assert checkpoint["name"] == "synthetic" and checkpoint["nvml"] == []
     assert events[-1]["ev"] == "exit" and events[-1]["status"] == 3
 
-    child = by_pid[child_pid]
-    assert child[0]["pid"] == child_pid
+    child = by_status[7]
+    assert child[0]["pid"] != parent_pid
     inherited = [(ev["path"], ev["fd"]) for ev in child if ev.get("ev") == "open"]
     assert inherited == [("/dev/nvidiactl", ctl_fd), ("/dev/nvidia-uvm", uvm_fd)]
     assert all(ev.get("inherited") is True for ev in child if ev.get("ev") == "open")
     assert [ev["cmd"] for ev in child if ev.get("ev") == "ioctl"] == [RM_CONTROL_CMD] * 3
     assert child[-1]["ev"] == "exit" and child[-1]["status"] == 7
+
+    # the fd kept across exec is known to the new image: an inherited open, then its ioctl
+    execd = by_status[9]
+    assert [(ev["ev"], ev.get("fd"), ev.get("inherited")) for ev in execd[1:]] == [
+        ("open", kept, True),
+        ("ioctl", kept, None),
+        ("exit", None, None),
+    ]
 
 
 def test_without_a_trace_directory_nothing_is_recorded(tmp_path: Path, programs: Programs) -> None:

@@ -5,7 +5,9 @@
  * NVIDIA-encoded ioctls with ENOTTY, so both outcomes pass through the recorder.
  *
  * It prints what every call returned and the errno it saw; the test runs it with and
- * without the recorder and requires the same output and exit status (3).
+ * without the recorder and requires the same output and exit status (3). A forked child
+ * uses an inherited fd (exit 7); another child execs this program with `--inherited FD`,
+ * which issues one ioctl on the fd it got across exec (exit 9).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -89,6 +91,11 @@ static char *path_in(const char *dir, const char *name)
 
 int main(int argc, char **argv)
 {
+    if (argc == 3 && strcmp(argv[1], "--inherited") == 0) {
+        nvos54 c;
+        memset(&c, 0, sizeof(c));
+        return ioctl(atoi(argv[2]), RM_CONTROL, &c) == -1 && errno == ENOTTY ? 9 : 1;
+    }
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
         return 2;
@@ -193,6 +200,19 @@ int main(int argc, char **argv)
     int status = 0;
     waitpid(child, &status, 0);
     printf("child exit=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+
+    int kept = open(path_in(dir, "nvidiactl"), O_RDWR); /* no O_CLOEXEC: survives exec */
+    fflush(stdout);
+    child = fork();
+    if (child == 0) {
+        char fd_text[16];
+        snprintf(fd_text, sizeof(fd_text), "%d", kept);
+        execl("/proc/self/exe", argv[0], "--inherited", fd_text, (char *)NULL);
+        _exit(1);
+    }
+    waitpid(child, &status, 0);
+    printf("exec child exit=%d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    close(kept);
 
     show("close uvm", close(uvm));
     show("close nvidiactl", close(g_ctl));

@@ -38,9 +38,11 @@
  * (libnvidia-ml.so.1, loaded on demand) for this process's used memory per GPU.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -120,7 +122,7 @@ static pthread_mutex_t g_path_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_trace_fd = -1;           /* -1: not created yet or lost */
 static char g_trace_path[PATH_CAP + 64];
 static int g_trace_created;           /* header written for this process */
-static int g_forked_child;            /* tracked fds may have come from the parent */
+static int g_inherited_fds;           /* tracked fds came from a parent (fork or exec) */
 static int g_finished;                /* exit line written: record nothing more */
 static int g_failed;                  /* a write failed: recording stopped */
 /* lines that came before the header could be written (see emit) */
@@ -1076,13 +1078,13 @@ static void build_header(struct out *o, int use_nvml)
     puts_(o, "}\n");
 }
 
-/* Write the header, an "open" line for every tracked fd a forked child inherited from
- * its parent, then the lines that waited for the header; under g_write_lock. */
+/* Write the header, an "open" line for every tracked fd this process inherited (from
+ * the parent it forked from, or open across the exec that started it), then the lines that waited for the header; under g_write_lock. */
 static void write_header_locked(struct out *o)
 {
     write_line_locked(o);
     uint64_t t = mono_ns();
-    for (int fd = 0; fd < MAX_TRACKED_FD && g_forked_child && !g_failed; fd++) {
+    for (int fd = 0; fd < MAX_TRACKED_FD && g_inherited_fds && !g_failed; fd++) {
         if (!tracked(fd))
             continue;
         o->len = 0;
@@ -1176,12 +1178,43 @@ static void atfork_child(void)
     g_trace_fd = -1;
     g_trace_path[0] = 0;
     g_trace_created = 0;
-    g_forked_child = 1;
+    g_inherited_fds = 1;
     if (g_pending) /* the parent's lines */
         syscall(SYS_munmap, g_pending, g_pending_cap);
     g_pending = NULL;
     g_pending_len = g_pending_cap = 0;
     /* the child starts a file of its own at its first event */
+}
+
+/* Device fds open across the exec that started this image (no O_CLOEXEC): tracked too. */
+static void track_inherited_fds(void)
+{
+    t_busy = 1;
+    DIR *dir = opendir("/proc/self/fd");
+    if (dir) {
+        int own = dirfd(dir);
+        struct dirent *e;
+        while ((e = readdir(dir)) != NULL) {
+            char *end;
+            long fd = strtol(e->d_name, &end, 10);
+            if (*end || end == e->d_name || fd < 0 || fd == own || fd >= MAX_TRACKED_FD)
+                continue;
+            char link[64], target[PATH_CAP], nbuf[PATH_CAP];
+            snprintf(link, sizeof(link), "/proc/self/fd/%ld", fd);
+            ssize_t n = readlink(link, target, sizeof(target) - 1);
+            if (n <= 0)
+                continue;
+            target[n] = 0;
+            const char *norm = normalized(target, nbuf, sizeof(nbuf));
+            int idx = norm ? path_index_of(norm) : -1;
+            if (idx >= 0) {
+                set_fd((int)fd, idx);
+                g_inherited_fds = 1;
+            }
+        }
+        closedir(dir);
+    }
+    t_busy = 0;
 }
 
 __attribute__((constructor)) static void gwrec_start(void)
@@ -1201,15 +1234,22 @@ __attribute__((constructor)) static void gwrec_start(void)
         warn("GPUWATCH_REC_DIR is too long: not recording");
         return;
     }
-    snprintf(g_dir, sizeof(g_dir), "%s", dir);
-    if (mkdir(g_dir, 0755) < 0 && errno != EEXIST) {
+    if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
         warn("cannot create GPUWATCH_REC_DIR: not recording");
         return;
     }
+    /* absolute, so a program that changes directory still writes here */
+    char resolved[PATH_MAX];
+    if (!realpath(dir, resolved) || strlen(resolved) >= sizeof(g_dir)) {
+        warn("cannot resolve GPUWATCH_REC_DIR: not recording");
+        return;
+    }
+    snprintf(g_dir, sizeof(g_dir), "%s", resolved);
     pthread_key_create(&g_buf_key, free_thread_buffer);
     pthread_atfork(NULL, NULL, atfork_child);
     on_exit(on_exit_status, NULL);
     g_enabled = 1;
+    track_inherited_fds();
 }
 
 /* ---- interposed calls ---- */
