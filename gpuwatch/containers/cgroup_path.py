@@ -131,7 +131,7 @@ def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
     parent = comps[i - 1] if i > 0 else ""
     if "ecs" in comps[:i] and _FARGATE_ID.match(comp):
         return ECS, comp, "container"  # Fargate: /ecs/<task id>/<task id>-<digits>
-    if parent == "garden" and _GARDEN_ID.match(comp):
+    if (parent == "garden" or "garden.service" in comps[:i]) and _GARDEN_ID.match(comp):
         return GARDEN, comp, "container"  # /system.slice/garden.service/garden/<8-4-4-4-4>
     m = _BARE_SCOPE.match(comp)
     if m and parent == "docker":
