@@ -85,7 +85,7 @@ CASES: list[tuple[str, str, str, str, str, str]] = [
      v1_lines(f"/system.slice/garden.service/garden/{GARDEN_ID}"), "garden", GARDEN_ID, "", ""),
     ("Garden 8-4-4-4 id right under garden.service",
      f"0::/system.slice/garden.service/{GARDEN_ID[:23]}\n", "garden", GARDEN_ID[:23], "", ""),
-    ("an 8-4-4-4 name elsewhere is not a container", f"0::/system.slice/{GARDEN_ID[:23]}\n", "unknown", "", "", ""),
+    ("an 8-4-4-4 name elsewhere is not a container", f"0::/system.slice/{GARDEN_ID[:23]}\n", "systemd", "", "", ""),
     # --- not containers ----------------------------------------------------------------------------
     (".mount unit naming a containerd task",
      f"0::/system.slice/run-containerd-io.containerd.runtime.v2.task-k8s.io-{CID}-rootfs.mount\n",
