@@ -197,6 +197,8 @@ def test_exercise_on_the_simulated_node(tmp_path: Path, programs: Programs) -> N
     assert header["driver_version"] and isinstance(header["cuda_driver_version"], int)
     assert [g["minor"] for g in header["gpus"]] == [0, 1]
     assert all(g["memory_total_bytes"] > 2 * GIB and g["uuid"].startswith("GPU-") for g in header["gpus"])
+    # the program names its device by UUID, as NVML does in the header
+    assert f"info device 0: {header['gpus'][0]['uuid']}" in recorded.stdout.splitlines()
 
     # opens are of the sim's nodes, recorded under /dev/nvidia names
     opened = {ev["path"] for ev in events if ev.get("ev") == "open"}

@@ -379,6 +379,13 @@ int main(int argc, char **argv)
     char name[128] = "";
     if (device_name && device_name(name, sizeof(name), dev) == 0)
         printf("info device %d: %s\n", device, name);
+    /* the UUID ties this CUDA ordinal to NVML's GPU (the trace header lists NVML's) */
+    CUresult (*device_uuid)(unsigned char *, CUdevice) =
+        (CUresult(*)(unsigned char *, CUdevice))sym("cuDeviceGetUuid_v2");
+    unsigned char u[16];
+    if (device_uuid && device_uuid(u, dev) == 0)
+        printf("info device %d: GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\n", device,
+               u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
 
     CUcontext ctx = NULL;
     if (!create_context(&ctx, dev, "first"))
