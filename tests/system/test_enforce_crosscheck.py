@@ -5,9 +5,10 @@ an allocation made while it is full is counted but its entry is not kept (counte
 so its cuMemFree cannot be matched and the counter keeps its bytes: a real leak of the very
 counter the in-kernel limit reads (bpf/cuda.bpf.c). The workload holds 64 MiB, allocates and
 frees 3 x 64 MiB (2 of them overflow the 2-entry map): NVML (the sim ledger) says 64 MiB, the
-probe counter 192 MiB. After 3 snapshots the enforcer takes the container out of the kernel
-limit map (audited, metric 1); the workload then allocates 2 x 64 MiB more -- 320 MiB on the
-leaked counter, over the 300 MiB kill limit, 192 MiB in NVML's view -- and is not killed.
+probe counter 192 MiB (256 when the map was already full). After 3 snapshots the enforcer
+takes the container out of the kernel limit map (audited, metric 1, the alert rule fires);
+the workload then allocates 2 x 64 MiB more -- 320 MiB or more on the leaked counter, over
+the 300 MiB kill limit, 192 MiB in NVML's view -- and is not killed.
 
 Agreement: where the counters agree the in-kernel kill still holds the ledger at the limit
 (0 bytes over), with the cross-check running on every snapshot.
@@ -35,6 +36,7 @@ from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.exporter.crosscheck import DIVERGENCE_METRIC
 from gpuwatch.exporter.labels import identity_labels
 from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
+from gpuwatch.policy.crosscheck import compare_probe_nvml
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
@@ -185,7 +187,9 @@ def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: 
             nvml = first.containers[0].memory_bytes
             probe = first.probe_counters[0].cuda_allocated_bytes
             print(f"\nNVML {nvml / MIB:.0f} MiB, libcuda probe counter {(probe or 0) / MIB:.0f} MiB")
-            assert probe == 192 * MIB and 64 * MIB <= nvml < 128 * MIB, "the leak did not happen as designed"
+            # 64 MiB held + the frees it could not match: 2 (or 3, when the map was full before
+            # the first of them) of the 3 passing allocations
+            assert probe in (192 * MIB, 256 * MIB) and 64 * MIB <= nvml < 128 * MIB, "the leak did not happen"
             assert pm.limit_of(identity.cgroup_id) is None, "suspended: no entry for the kernel to act on"
             labels = {"node": "sim", **dict(zip(("namespace", "pod", "pod_uid", "container", "container_id"),
                                                 identity_labels(identity), strict=True))}
@@ -205,7 +209,7 @@ def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: 
             time.sleep(0.3)
             assert pod.running(), f"killed on a counter NVML contradicts: {pod.logs()}"
             counters = [c for c in pm.read() if c.cgroup_id == identity.cgroup_id]
-            assert counters[0].cuda_allocated_bytes == 320 * MIB > LIMIT_MIB * MIB  # what the kernel would act on
+            assert counters[0].cuda_allocated_bytes == probe + 128 * MIB > LIMIT_MIB * MIB  # what the kernel reads
             assert simnode.status(sim).devices[0].memory_used_bytes < LIMIT_MIB * MIB
             assert decisions == []
             events = seen + pm.poll_events(100)
@@ -235,17 +239,21 @@ def test_kernel_kill_still_holds_the_limit_where_probes_and_nvml_agree(sim: simn
         try:
             pod = run_pod(lab, sim, markers)  # 128 MiB steps: the 3rd is over 300 MiB
             identity = identity_of(pod)
-            judged = 0
+            divergences: list[int] = []
             deadline = time.monotonic() + 15
             while pod.running() and time.monotonic() < deadline:
                 snapshot = nvml_and_probe_snapshot(sim, pod, identity, pm)
-                judged += bool(snapshot.containers and snapshot.probe_counters)
+                found = compare_probe_nvml(snapshot).get(identity.key)
+                if found is not None and found.divergence_bytes is not None:
+                    divergences.append(found.divergence_bytes)
                 enforcer.on_snapshot(snapshot, pm.poll_events(0))
                 time.sleep(0.05)
             assert pod.wait(5) == 128 + signal.SIGKILL, pod.logs()
         finally:
             peak = watch.stop()
             enforcer.close()
-    assert judged >= 3, "the cross-check never compared the two numbers"
+    assert len(divergences) >= 3, "the cross-check never compared the two numbers"
+    print(f"\nprobe - NVML while growing: {min(divergences) / MIB:+.1f} .. {max(divergences) / MIB:+.1f} MiB "
+          f"over {len(divergences)} snapshots")
     assert enforcer.kernel_guard.changes_total == 0
     assert 0 < peak <= LIMIT_MIB * MIB, f"ledger peak {peak / MIB:.0f} MiB > limit {LIMIT_MIB} MiB"
