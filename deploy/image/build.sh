@@ -143,12 +143,14 @@ bpf_hash="$(cd "$repo" && find bpf -type f \( -name '*.c' -o -name '*.h' \) -pri
 # mount points the DaemonSet (and runc with a read-only rootfs) needs
 mount_points=(host/proc run/containerd run/containers var/lib/docker/containers usr/src lib/modules
   etc/gpuwatch var/log/gpuwatch run/gpuwatch etc/kubernetes/node-feature-discovery/features.d
-  opt/gpuwatch/kernel-headers sys/fs/bpf)
+  opt/gpuwatch/kernel-headers sys/fs/bpf sys/fs/cgroup)
 # what the app stage adds to the base: the image's second layer
 app_paths=(opt/gpuwatch etc/gpuwatch-image "${mount_points[@]}")
 
 # --- 3. app rootfs: base + venv ---------------------------------------------------------------
-app_key="$(printf '%s\n' "base=$base_key" "wheels=$wheels_hash" "bpf=$bpf_hash" | sha)"
+# (this script is in the key too: a change to the steps below rebuilds the app stage)
+app_key="$(printf '%s\n' "base=$base_key" "wheels=$wheels_hash" "bpf=$bpf_hash" \
+  "script=$(sha <"${BASH_SOURCE[0]}")" | sha)"
 app="$cache/app-$app_key"
 if [ ! -e "$app/.complete" ]; then
   log "installing gpuwatch $version into $venv (rootfs $app)"
