@@ -284,11 +284,9 @@ def _holds_pid(directory: str, pid: int) -> bool:
 def find_namespace_root(mount_point: str, ups: int, own_ns_path: str, pid: int,
                         max_dirs: int = 100_000) -> str | None:
     """Absolute path of our cgroup namespace root in a hierarchy mounted `ups` levels above
-    it: the directory `ups` levels below the mount under which our own cgroup
-    (`own_ns_path`, as /proc/self/cgroup prints it) holds `pid`. None if not found."""
-    own = join_cgroup_path("/", own_ns_path)
-    if own is None:
-        return None
+    it: the directory `ups` levels below the mount from which our own cgroup (`own_ns_path`,
+    as /proc/self/cgroup prints it, '..' included) holds `pid`. None if not found or not
+    unique."""
     level = [""]
     seen = 0
     for _ in range(ups):
@@ -303,11 +301,14 @@ def find_namespace_root(mount_point: str, ups: int, own_ns_path: str, pid: int,
         if seen > max_dirs:
             return None
         level = nxt
+    found = set()
     for rel in level:
-        candidate = mount_point.rstrip("/") + rel + (own if own != "/" else "")
-        if _holds_pid(candidate, pid):
-            return rel or "/"
-    return None
+        own = join_cgroup_path(rel or "/", own_ns_path)  # our cgroup may lie below or beside the root
+        if own is not None and _holds_pid(cgroup_dir(mount_point, own), pid):
+            found.add(rel or "/")
+    # several roots fit only when we were moved out of the namespace root ('..' in our own
+    # path) and it has siblings: which one it is cannot be told, so none is guessed
+    return found.pop() if len(found) == 1 else None
 
 
 def place_namespace(mounts: CgroupMounts, own_cgroup_text: str, pid: int) -> CgroupMounts:

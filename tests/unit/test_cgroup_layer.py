@@ -163,3 +163,16 @@ def test_doctor_warns_when_our_cgroup_namespace_cannot_be_placed(tmp_path: Path)
     proc, _ = _namespace_host(tmp_path)  # our real pid is in none of the fixture's cgroups
     check = check_cgroups(HostRoots(proc_root=str(proc)))
     assert check.status == Status.WARN and "pause/throttle of other pods" in check.loses
+
+
+def test_agent_moved_out_of_its_namespace_root_is_not_guessed(tmp_path: Path) -> None:
+    """A runtime may move the agent after it entered its namespace: /proc/self/cgroup then
+    reads `0::/../moved`, which every sibling of the namespace root fits equally: none is
+    guessed (a wrong root would misplace every cgroup inside the namespace)."""
+    proc, v2 = _namespace_host(tmp_path, own="0::/../moved\n")
+    (v2 / "gpuwatch/agent/cgroup.procs").write_text("17\n")
+    (v2 / "gpuwatch/moved").mkdir()
+    (v2 / "gpuwatch/moved/cgroup.procs").write_text(f"{PID}\n")
+    m = discover_mounts(str(proc), pid=PID)
+    assert m.unified_hierarchy is not None and not m.unified_hierarchy.ns_root_known
+    assert m.notes
