@@ -6,15 +6,17 @@ Three caches, each validated cheaply:
   /proc/<pid>/cgroup: `begin_sweep` asks the kernel once which of them exited (a reused
   pid is then loaded afresh, never confused with the old process), and re-reads a share of
   the kept cgroup files (one pread each) so that every process is re-read once per
-  `pid_recheck_s`, a constant cost per cycle. Why a periodic re-read for moves: nothing
-  cheaper reports a move of one pid (cgroup.events only flips when a cgroup empties), and
-  moves of a GPU process are rare -- runtimes put a process in its container's cgroup
-  before it execs the workload, i.e. before NVML ever lists it -- so a move is seen within
-  `pid_recheck_s` (10 s) at ~6 us per re-read. exec keeps the cgroup (and so the
-  container); the name shown is the one at load, refreshed when the process is loaded
-  again (moved, or dropped after `idle_sweeps` sweeps out of the GPU list, which is where
-  exec puts a CUDA process: its driver state dies with the old image). `forget_pid` lets a
-  caller that sees exec events (the probes) drop one at once.
+  `pid_recheck_s` (10 s), at most `max_rechecks_per_sweep` (32) per sweep: a bounded cost
+  per cycle (~0.3 ms on a hybrid host); at 800 pids and 1 s sweeps a process is re-read
+  every 25 s. Why a periodic re-read for moves: nothing cheaper reports a move of one pid
+  (cgroup.events only flips when a cgroup empties), and moves of a GPU process are rare --
+  runtimes put a process in its container's cgroup before it execs the workload, i.e.
+  before NVML ever lists it -- so a move is seen within that period, at ~6-10 us per
+  re-read. exec keeps the cgroup (and so the container); the name shown is the one at
+  load, refreshed when the process is loaded again (moved, or dropped after `idle_sweeps`
+  sweeps out of the GPU list, which is where exec puts a CUDA process: its driver state
+  dies with the old image). `forget_pid` lets a caller that sees exec events (the probes)
+  drop one at once.
   Elsewhere (fixture trees, a procfs of another pid namespace, no descriptors left) the
   key is (pid, inode and ctime of /proc/<pid>): one stat() per known pid per call; a
   reused pid gets a new /proc/<pid> inode, so the key changes; on any change the start
@@ -110,6 +112,7 @@ class IdentityResolver:
         sweep_min_interval_s: float = 0.5,
         idle_sweeps: int = 3,
         max_watched_pids: int = 8192,
+        max_rechecks_per_sweep: int = 32,
     ) -> None:
         self.proc_root = proc_root.rstrip("/") or "/"
         self._clock = clock
@@ -132,6 +135,7 @@ class IdentityResolver:
         # kept process handles (2 fds each) for pids of our own pid namespace; None elsewhere
         self._watch = open_pid_watch(self.proc_root)
         self._max_watched_pids = max_watched_pids
+        self._max_rechecks_per_sweep = max_rechecks_per_sweep
         self._recheck_queue: deque[_PidEntry] = deque()  # watched entries, re-read in rotation
         self._recheck_credit = 0.0
         self._last_recheck_s: float | None = None
@@ -282,14 +286,16 @@ class IdentityResolver:
 
     def _recheck_watched(self, now: float) -> None:
         """Re-read the kept cgroup files of a share of the watched pids, so that each is
-        re-read once per pid_recheck_s: a move to another cgroup reloads the pid."""
+        re-read once per pid_recheck_s, but at most max_rechecks_per_sweep per sweep (a
+        fixed cost per cycle: at 800 pids and 1 s sweeps each is re-read every 25 s); a
+        move to another cgroup reloads the pid."""
         if self._watch is None:
             return
         last, self._last_recheck_s = self._last_recheck_s, now
         if last is None or not self._recheck_queue:
             return
         self._recheck_credit += len(self._recheck_queue) * max(0.0, now - last) / self._pid_recheck_s
-        count = min(int(self._recheck_credit), len(self._recheck_queue))
+        count = min(int(self._recheck_credit), len(self._recheck_queue), self._max_rechecks_per_sweep)
         self._recheck_credit = min(self._recheck_credit - count, 1.0)
         queue = self._recheck_queue
         for _ in range(count):
