@@ -639,6 +639,7 @@ class Enforcer:
         checkpointing = self.actions.checkpoint.in_progress()
         waiting = result.state.memory.waiting
         now = result.state.last_snapshot_s or 0.0
+        suspended = self.kernel_guard.suspended_keys()
         out = []
         for key, identity in sorted(self._identities.items()):
             measured = result.measurements.get(key)
@@ -665,6 +666,8 @@ class Enforcer:
             reason = hold.reason if hold is not None and state != "running" else ""
             if self.dry_run and reason:
                 reason = f"dry run, not done: {reason}"
+            if not reason and key in suspended:
+                reason = "in-kernel kill/stop suspended: its probe counter exceeds NVML's memory (polling only)"
             out.append(ContainerEnforcement(
                 identity=identity,
                 state=state,

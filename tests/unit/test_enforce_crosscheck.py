@@ -68,6 +68,8 @@ def test_diverging_probe_counter_suspends_then_resumes_the_kernel_limit(
     step(900)
     assert limits.limits == {8: 1024 * MIB}  # no entry: the kernel cannot kill a on its counter
     assert suspended_gauge(registry, "a") == 1.0 and suspended_gauge(registry, "b") == 0.0
+    view = {v.identity.container_name: v for v in enforcer.view()}
+    assert "in-kernel kill/stop suspended" in view["a"].reason and view["b"].reason == ""
     for _ in range(4):
         step(950)
     assert limits.limits == {8: 1024 * MIB}
