@@ -72,9 +72,9 @@ class InKernelGuard:
             change.identity, event="crosscheck", rule=CROSSCHECK_RULE, scope="container", reason=change.reason,
             action="suspend-inkernel" if change.suspended else "resume-inkernel",
             result="dry_run" if self.dry_run else "ok",
-            detail=("dry run: nothing pushed to the kernel either way" if self.dry_run else
-                    "kernel limit entry removed; polling enforcement on NVML numbers continues" if change.suspended
-                    else "kernel limit entry pushed again"),
+            detail=("dry run: nothing pushed to the kernel either way" if self.dry_run
+                    else "kept out of the kernel limit map; polling enforcement on NVML numbers continues"
+                    if change.suspended else "back in the kernel limit map (when a rule gives it a limit)"),
             measured=measured, dry_run=self.dry_run)
 
     def metric_family(self) -> GaugeMetricFamily:
