@@ -1053,12 +1053,13 @@ static void mem_remove(struct rm_mem *m)
 }
 
 /* A new memory object of `requested` bytes on `phys`: ledger first (RM refuses what does
- * not fit, and says so in the status it writes back), then the driver call. Returns its
- * handle, 0 when the device is full (CUDA_ERROR_OUT_OF_MEMORY), or sets *err. */
-static uint32_t mem_create(int phys, int kind, uint64_t requested, CUresult *err)
+ * not fit, and says so in the status it writes back), then the driver call. `with` is
+ * applied to the ledger in the same step (a cuMemAlloc's own counts). Returns its handle,
+ * or 0 with *err set (CUDA_ERROR_OUT_OF_MEMORY when the device is full). */
+static uint32_t mem_create(int phys, int kind, uint64_t requested, const struct ledger_delta *with, CUresult *err)
 {
     uint64_t rounded = rm_rounded_size(requested);
-    struct ledger_delta d = {0};
+    struct ledger_delta d = with ? *with : (struct ledger_delta){0};
     d.rm_bytes = (int64_t)rounded;
     d.rm_objects = 1;
     d.context_bytes = kind == MEM_CONTEXT ? (int64_t)rounded : 0;
@@ -1071,7 +1072,8 @@ static uint32_t mem_create(int phys, int kind, uint64_t requested, CUresult *err
         return 0;
     }
     if (!mem_add(handle, phys, kind, rounded)) {
-        struct ledger_delta undo = {-(int64_t)rounded, -1, -d.context_bytes, 0, 0, 0};
+        struct ledger_delta undo = {-(int64_t)rounded, -1, -d.context_bytes, -d.managed_bytes, -d.requested_bytes,
+                                    -d.allocations};
         ledger_apply(phys, &undo, 0);
         *err = CUDA_ERROR_OUT_OF_MEMORY;
         return 0;
@@ -1080,11 +1082,11 @@ static uint32_t mem_create(int phys, int kind, uint64_t requested, CUresult *err
     return handle;
 }
 
-/* free one memory object by handle (cuMemFree of its last user) */
-static void mem_destroy(struct rm_mem *m)
+/* free one memory object by handle (cuMemFree of its last user); `with` as for mem_create */
+static void mem_destroy(struct rm_mem *m, const struct ledger_delta *with)
 {
     issue_mem_free(m->handle, m->phys);
-    struct ledger_delta d = {0};
+    struct ledger_delta d = with ? *with : (struct ledger_delta){0};
     d.rm_bytes = -(int64_t)m->size;
     d.rm_objects = -1;
     d.context_bytes = m->kind == MEM_CONTEXT ? -(int64_t)m->size : 0;
@@ -1140,7 +1142,7 @@ static CUresult device_setup_locked(int phys)
     for (uint64_t left = g_cfg.context_bytes; left > 0;) {
         uint64_t piece = left < CONTEXT_OBJECT_MAX_BYTES ? left : CONTEXT_OBJECT_MAX_BYTES;
         CUresult err = CUDA_SUCCESS;
-        if (!mem_create(phys, MEM_CONTEXT, piece, &err))
+        if (!mem_create(phys, MEM_CONTEXT, piece, NULL, &err))
             return err;
         left -= piece;
     }
@@ -1298,6 +1300,9 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
     CUresult err = CUDA_SUCCESS;
     rec->phys = phys;
     rec->size = bytes;
+    struct ledger_delta mine = {0}; /* the cuMemAlloc's own counts */
+    mine.requested_bytes = (int64_t)bytes;
+    mine.allocations = 1;
     if (g_cfg.suballoc_bytes && bytes <= g_cfg.suballoc_bytes) {
         uint64_t carve = round_up(bytes, CARVE_ALIGN_BYTES);
         struct rm_mem *chunk = NULL;
@@ -1305,10 +1310,12 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
             if (g_mem[i].kind == MEM_CHUNK && g_mem[i].phys == phys && g_mem[i].size - g_mem[i].carved >= carve)
                 chunk = &g_mem[i];
         if (!chunk) {
-            uint32_t h = mem_create(phys, MEM_CHUNK, g_cfg.suballoc_bytes, &err);
+            uint32_t h = mem_create(phys, MEM_CHUNK, g_cfg.suballoc_bytes, &mine, &err);
             if (!h)
                 return err;
             chunk = mem_find(h);
+        } else {
+            ledger_apply(phys, &mine, 0);
         }
         chunk->carved += carve;
         chunk->users++;
@@ -1316,7 +1323,7 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
         rec->handle = chunk->handle;
         rec->charged = carve;
     } else {
-        uint32_t h = mem_create(phys, MEM_DIRECT, bytes, &err);
+        uint32_t h = mem_create(phys, MEM_DIRECT, bytes, &mine, &err);
         if (!h)
             return err;
         rec->kind = REC_DIRECT;
@@ -1324,10 +1331,6 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
         rec->charged = 0;
     }
     rec->ptr = next_fake_va(bytes);
-    struct ledger_delta d = {0};
-    d.requested_bytes = (int64_t)bytes;
-    d.allocations = 1;
-    ledger_apply(phys, &d, 0);
     return CUDA_SUCCESS;
 }
 
@@ -1426,20 +1429,18 @@ API CUresult cuMemFree_v2(CUdeviceptr ptr)
     g_alloc_used--;
     struct ledger_delta d = {0};
     d.requested_bytes = -(int64_t)rec.size;
+    struct rm_mem *m = rec.kind == REC_MANAGED ? NULL : mem_find(rec.handle);
     if (rec.kind == REC_MANAGED) {
         munmap((void *)(uintptr_t)rec.ptr, rec.charged);
         d.managed_bytes = -(int64_t)rec.charged;
-    } else {
-        struct rm_mem *m = mem_find(rec.handle);
-        if (m && rec.kind == REC_CARVED) {
-            m->carved -= rec.charged;
-            if (--m->users == 0)
-                mem_destroy(m);
-        } else if (m) {
-            mem_destroy(m);
-        }
+    } else if (m && rec.kind == REC_CARVED) {
+        m->carved -= rec.charged;
+        m->users--;
     }
-    ledger_apply(rec.phys, &d, 0);
+    if (m && (rec.kind == REC_DIRECT || m->users == 0))
+        mem_destroy(m, &d); /* the object and this cuMemFree's counts in one step */
+    else
+        ledger_apply(rec.phys, &d, 0);
     pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
 }
