@@ -152,7 +152,14 @@ class IdentityResolver:
         """Identities of the pids still alive (gone ones are left out)."""
         self._drop_exited()
         out: dict[int, ProcessIdentity] = {}
+        cached, gen = self._pids, self._gen
         for pid in pids:
+            entry = cached.get(pid)
+            if entry is not None and entry.handle is not None:  # _resolve's first case, inlined:
+                entry.used_gen = entry.path_entry.used_gen = gen  # the per-cycle path for 800 pids
+                process = entry.process
+                out[pid] = process if process.identity is entry.path_entry.identity else self._hit(entry)
+                continue
             ident = self._resolve(pid)
             if ident is not None:
                 out[pid] = ident
