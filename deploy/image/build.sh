@@ -25,7 +25,8 @@
 #
 # Environment: GPUWATCH_IMAGE_SUITE (bookworm), GPUWATCH_IMAGE_MIRROR (http://deb.debian.org/debian),
 # GPUWATCH_IMAGE_SECURITY_MIRROR (http://deb.debian.org/debian-security), GPUWATCH_IMAGE_CACHE,
-# GPUWATCH_IMAGE_OUT (image output dir, default <repo>/dist/image), PYTHON (host python3 with pip).
+# GPUWATCH_IMAGE_OUT (image output dir, default <repo>/dist/image), PYTHON (host python3 with pip),
+# GPUWATCH_IMAGE_GIT_REF (build gpuwatch from this git revision instead of the working tree).
 set -euo pipefail
 
 mode="${1:-}"
@@ -108,11 +109,18 @@ prune base 2
 # --- 2. gpuwatch wheel + dependencies ----------------------------------------------------------
 work="$(mktemp -d)"
 trap 'rm -rf --one-file-system "$work"' EXIT
-log "building the gpuwatch wheel from $repo"
 mkdir -p "$work/src" "$work/wheels"
-# a copy of the sources, so the build leaves nothing in the checkout
-cp -a "$repo/pyproject.toml" "$repo/README.md" "$work/src/"
-tar -C "$repo" --exclude=__pycache__ -cf - gpuwatch | tar -C "$work/src" -xf -
+# a copy of the sources, so the build leaves nothing in the checkout: the working tree as it
+# is, or a git revision (GPUWATCH_IMAGE_GIT_REF=v0.1.0, HEAD: what is committed, nothing else)
+if [ -n "${GPUWATCH_IMAGE_GIT_REF:-}" ]; then
+  log "building the gpuwatch wheel from git revision $GPUWATCH_IMAGE_GIT_REF of $repo"
+  git -C "$repo" archive --format=tar "$GPUWATCH_IMAGE_GIT_REF" pyproject.toml README.md gpuwatch bpf \
+    | tar -C "$work/src" -xf - || die "git archive $GPUWATCH_IMAGE_GIT_REF failed" "name a commit, tag or branch"
+else
+  log "building the gpuwatch wheel from the working tree $repo"
+  cp -a "$repo/pyproject.toml" "$repo/README.md" "$work/src/"
+  tar -C "$repo" --exclude=__pycache__ -cf - gpuwatch bpf | tar -C "$work/src" -xf -
+fi
 if ! SOURCE_DATE_EPOCH=315532800 "$python" -m pip wheel --quiet --no-deps --no-build-isolation \
     --wheel-dir "$work/wheels" "$work/src" >"$work/wheel.log" 2>&1; then
   cat "$work/wheel.log" >&2
@@ -138,7 +146,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 print(digest.hexdigest())
 PY
 )"
-bpf_hash="$(cd "$repo" && find bpf -type f \( -name '*.c' -o -name '*.h' \) -print0 | sort -z | xargs -0 sha256sum | sha)"
+bpf_hash="$(cd "$work/src" && find bpf -type f \( -name '*.c' -o -name '*.h' \) -print0 | sort -z | xargs -0 sha256sum | sha)"
 
 # mount points the DaemonSet (and runc with a read-only rootfs) needs
 mount_points=(host/proc run/containerd run/containers var/lib/docker/containers usr/src lib/modules
@@ -176,7 +184,7 @@ if [ ! -e "$app/.complete" ]; then
   # site-packages (gpuwatch/probes/layout.py): put them there.
   bpf_dir="$(chroot "$app/rootfs" $venv/bin/python -c 'from gpuwatch.probes.layout import BPF_DIR; print(BPF_DIR)')"
   mkdir -p "$app/rootfs$bpf_dir"
-  cp "$repo"/bpf/*.c "$repo"/bpf/*.h "$app/rootfs$bpf_dir/"
+  cp "$work"/src/bpf/*.c "$work"/src/bpf/*.h "$app/rootfs$bpf_dir/"
   for d in "${mount_points[@]}"; do mkdir -p "$app/rootfs/$d"; done
   printf '%s\n' "$image_ref" >"$app/rootfs/etc/gpuwatch-image"
   touch "$app/.complete"
