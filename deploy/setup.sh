@@ -10,7 +10,8 @@
 # What it installs (idempotent; safe to run again):
 #   * Debian packages: BCC (python3-bpfcc: the real `bcc` module; never `pip install bcc`, that
 #     PyPI name is an unrelated library), kernel headers, runc, strace, Prometheus + Alertmanager
-#     (used by the system tests), a C compiler (the simulated GPU's libraries are built on demand).
+#     (used by the system tests), a C compiler (the simulated GPU's libraries are built on demand),
+#     mmdebstrap, umoci and skopeo (deploy/image/build.sh makes the agent image with them).
 #   * kernel headers BCC can use when /lib/modules/$(uname -r)/build is missing (a merged Debian
 #     header tree under /opt/gpuwatch/kernel-headers; gpuwatch finds it by itself).
 #   * a virtualenv in .venv made from the system python3 with --system-site-packages (so it sees
@@ -33,7 +34,8 @@ fi
 apt_packages=(python3 python3-venv python3-dev python3-pip gcc libc6-dev make
   python3-bpfcc bpfcc-tools libbpfcc linux-headers-amd64
   runc strace prometheus prometheus-alertmanager iproute2 procps
-  tmux)  # tmux: drives the real `gpuwatch top` curses screen in system tests
+  tmux  # tmux: drives the real `gpuwatch top` curses screen in system tests
+  mmdebstrap umoci skopeo)  # the agent image without a registry: deploy/image/build.sh (+ tests/system/test_image.py)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
