@@ -86,10 +86,11 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
             assert sim_bytes == expected
             c = _counters(pm, cg_id)
             assert c.cuda_allocated_bytes == sim_bytes
-            # the sim allocates on nvidiactl under a device handle it never RM_ALLOCs; the
-            # process opened exactly one GPU node, so the bytes belong to that GPU
+            # the sim allocates on nvidiactl under the device object its context allocated
+            # (deviceId = RM's device instance, not the minor): the bytes belong to that GPU
             assert dict(c.allocated_bytes_by_gpu) == {gpu: sim_bytes}
-            assert dict(c.ioctl_calls_by_op)["rm_alloc"] == steps
+            # the context's client, device, subdevice and VA space, then one per step
+            assert dict(c.ioctl_calls_by_op)["rm_alloc"] == 4 + steps
             assert c.cuda_allocations_total == steps
             identity = resolver.identity_for_cgroup_id(cg_id)
             assert identity is not None
