@@ -7,19 +7,22 @@
  * It prints what every call returned and the errno it saw; the test runs it with and
  * without the recorder and requires the same output and exit status (3). A forked child
  * uses an inherited fd (exit 7); another child execs this program with `--inherited FD`,
- * which issues one ioctl on the fd it got across exec (exit 9).
+ * which issues one ioctl on the fd it got across exec (exit 9). A 100 us interval timer's
+ * handler issues ioctls too, landing inside the recorder's own work now and then.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -78,6 +81,21 @@ static void *control_storm(void *arg)
         if (ioctl(g_ctl, RM_CONTROL, &c) != -1 || errno != ENOTTY)
             failures++;
     return (void *)(uintptr_t)failures;
+}
+
+static volatile sig_atomic_t g_signal_failures;
+
+/* a signal handler that issues a device ioctl, possibly while the recorder is busy */
+static void on_alarm(int sig)
+{
+    (void)sig;
+    int saved = errno;
+    nvos54 c;
+    memset(&c, 0, sizeof(c));
+    c.cmd = 0x5151;
+    if (ioctl(g_ctl, RM_CONTROL, &c) != -1 || errno != ENOTTY)
+        g_signal_failures++;
+    errno = saved;
 }
 
 static char *path_in(const char *dir, const char *name)
@@ -185,6 +203,23 @@ int main(int argc, char **argv)
         failures += (uintptr_t)r;
     }
     printf("threads: 800 ioctls, %lu unexpected results\n", (unsigned long)failures);
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_alarm;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGALRM, &sa, NULL);
+    struct itimerval every = {{0, 100}, {0, 100}}, off = {{0, 0}, {0, 0}};
+    setitimer(ITIMER_REAL, &every, NULL);
+    int interrupted_failures = 0;
+    nvos54 quiet;
+    memset(&quiet, 0, sizeof(quiet));
+    for (int i = 0; i < 3000; i++)
+        if (ioctl(g_ctl, RM_CONTROL, &quiet) != -1 || errno != ENOTTY)
+            interrupted_failures++;
+    setitimer(ITIMER_REAL, &off, NULL);
+    printf("signals: %d unexpected results in the loop, %d in handlers\n", interrupted_failures,
+           (int)g_signal_failures);
 
     void (*checkpoint)(const char *) = (void (*)(const char *))dlsym(RTLD_DEFAULT, "gwrec_checkpoint");
     if (checkpoint)

@@ -1145,6 +1145,7 @@ static void on_exit_status(int status, void *arg)
     (void)arg;
     if (!g_enabled)
         return;
+    t_busy = 1; /* a signal handler's ioctl from here on passes through (we take the lock) */
     if (g_pending && !g_trace_created) {
         /* only NVML touched the GPU: header without NVML, whose destructors have run */
         char lines[32768];
