@@ -1264,7 +1264,11 @@ __attribute__((constructor)) static void gwrec_start(void)
 
 static int open_mode_needed(int flags)
 {
-    return (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE;
+#ifdef O_TMPFILE /* glibc 2.19+ */
+    if ((flags & O_TMPFILE) == O_TMPFILE)
+        return 1;
+#endif
+    return (flags & O_CREAT) != 0;
 }
 
 #define OPEN_BODY(realcall, dirfd)                                                       \
