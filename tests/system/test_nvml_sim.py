@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import SimNode, down, inject_fault, sim_env, up
+from gpuwatch.sim.node import driver_env
 
 MIB = 1 << 20
 
@@ -73,11 +74,11 @@ def sweeps(node: SimNode, count: int = 2, gap_s: float = 1.0,
     return json.loads(result.stdout)  # type: ignore[no-any-return]
 
 
-def start_worker(node: SimNode, gpu: int, mib: float, steps: int = 1, duty: float = 0.0
-                 ) -> subprocess.Popen[str]:
+def start_worker(node: SimNode, gpu: int, mib: float, steps: int = 1, duty: float = 0.0,
+                 driver: dict[str, str] | None = None) -> subprocess.Popen[str]:
     proc = subprocess.Popen([str(node.libraries.worker_path), "--gpu", str(gpu), "--mib-per-step", str(mib),
                              "--steps", str(steps), "--duty", str(duty), "--kernel-ms", "5"],
-                            stdout=subprocess.PIPE, text=True, env=sim_env(node, dict(os.environ)))
+                            stdout=subprocess.PIPE, text=True, env=sim_env(node, {**os.environ, **(driver or {})}))
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     assert line[:2] == ["ready", str(proc.pid)], line
@@ -116,6 +117,28 @@ def test_backend_reads_exact_per_pid_memory_devices_and_sm_share(node: SimNode) 
     assert 0.5 <= util[(workers[2].pid, 1)] <= 1.0
     assert 0.1 <= util[(workers[0].pid, 0)] <= 0.75
     assert {(p["pid"], p["gpu_index"]) for p in first["processes"]} == set(expected)
+
+
+def test_backend_per_pid_memory_is_the_drivers_objects_not_the_requests(node: SimNode) -> None:
+    """RM's rule (sim README "Driver traffic"): objects at their rounded sizes, the
+    context's own memory and whole suballocation chunks count, not what cuMemAlloc asked."""
+    workers = [
+        # 3 x 1 MiB carved from one 8 MiB chunk, plus the context's 2 + 1 MiB
+        start_worker(node, 0, 1, steps=3, driver=driver_env(suballoc_mib=8, context_mib=3)),
+        # 5 MiB through VID_HEAP_CONTROL, rounded to 2 MiB pages
+        start_worker(node, 0, 5, driver=driver_env(alloc_path="vid-heap")),
+        # 100 KiB rounded to 64 KiB pages (128 KiB), one object per allocation
+        start_worker(node, 1, 100 / 1024, steps=2),
+    ]
+    expected = {(workers[0].pid, 0): 11 * MIB, (workers[1].pid, 0): 6 * MIB, (workers[2].pid, 1): 256 * 1024}
+    try:
+        (sweep, _meta) = sweeps(node, 1)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    assert {(p["pid"], p["gpu_index"]): p["memory_bytes"] for p in sweep["processes"]} == expected
+    assert [d["memory_used_bytes"] for d in sweep["devices"]] == [17 * MIB, 256 * 1024]
 
 
 def test_lost_gpu_is_unhealthy_and_all_lost_fails_the_sweep(node: SimNode) -> None:
