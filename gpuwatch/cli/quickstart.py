@@ -160,7 +160,7 @@ def _run_agent(stack: ExitStack, host: str, port: int, interval_s: float, nvml_l
                bundle_roots: Any, sim: Any, start_pods: Callable[[], None], duration_s: float | None) -> None:
     """Run the real agent (probes; enforcer with the demo policy on the simulated node), say
     what is on and why not, then show its view (as `gpuwatch top --agent`)."""
-    from gpuwatch.cli.quickstart_agent import AgentViewSource, free_port, probes_summary, start_agent
+    from gpuwatch.cli.quickstart_agent import AgentViewSource, free_port, probes_note, probes_summary, start_agent
     from gpuwatch.sim import demo
 
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-quickstart-agent-"))
@@ -191,7 +191,11 @@ def _run_agent(stack: ExitStack, host: str, port: int, interval_s: float, nvml_l
                    "deploy/policies/alert-only.yaml --dry-run)", err=True)
     click.echo(f"metrics: {agent.url}/metrics   (try: curl -s {agent.url}/metrics | grep gpuwatch_container; "
                f"the same view elsewhere: gpuwatch top --agent {agent.url})", err=True)
-    _show_source(AgentViewSource(agent), interval_s, duration_s)
+    notes: tuple[str, ...] = (probes_note(first),)
+    if policy is not None:
+        notes += (f"enforcer ON: {demo.DEMO_POLICY_RELPATH} limits {'/'.join(demo.DEMO_THROTTLED_POD)} "
+                  "to 30% GPU time (STATE)",)
+    _show_source(AgentViewSource(agent, notes), interval_s, duration_s)
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:

@@ -10,6 +10,7 @@ already runs on this host, and everything it froze is thawed when it stops.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -47,6 +48,7 @@ class QuickstartAgent:
     stop_event: threading.Event
     log: _StartupLog
     errors: list[BaseException] = field(default_factory=list)
+    saved_logging: tuple[int, bool] = (logging.NOTSET, True)  # the gpuwatch logger's level, propagate
 
     def snapshot(self) -> Snapshot:
         from gpuwatch.tui.sources import AgentSource
@@ -58,16 +60,22 @@ class QuickstartAgent:
         self.thread.join(30)
         logger = logging.getLogger("gpuwatch")
         logger.removeHandler(self.log)
+        logger.setLevel(self.saved_logging[0])
+        logger.propagate = self.saved_logging[1]
 
 
 class AgentViewSource:
-    """The screen's snapshot source: the agent's /snapshot.json (with the enforcer's view)."""
+    """The screen's snapshot source: the agent's /snapshot.json (with the enforcer's view),
+    with the quick start's own lines (what is on, where to look) first among its notes, so
+    the live screen keeps saying them."""
 
-    def __init__(self, agent: QuickstartAgent) -> None:
+    def __init__(self, agent: QuickstartAgent, notes: tuple[str, ...] = ()) -> None:
         self.agent = agent
+        self.notes = notes
 
     def next_snapshot(self) -> Snapshot:
-        return self.agent.snapshot()
+        snapshot = self.agent.snapshot()
+        return dataclasses.replace(snapshot, notes=self.notes + snapshot.notes) if self.notes else snapshot
 
     def close(self) -> None:
         return None
@@ -104,6 +112,7 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
         network=False)  # the demo pods' network bytes add nothing to the quick start
     handler = _StartupLog()
     logger = logging.getLogger("gpuwatch")
+    saved = (logger.level, logger.propagate)
     logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
@@ -119,7 +128,7 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
 
     thread = threading.Thread(target=run, name="quickstart-agent", daemon=True)
     agent = QuickstartAgent(f"http://{host if ':' not in host else f'[{host}]'}:{port}", thread, stop,
-                            handler, errors)
+                            handler, errors, saved)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -141,6 +150,13 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
             raise GpuwatchError(f"the agent did not serve {agent.url} within {START_TIMEOUT_S:.0f} s",
                                 fix="the host may be overloaded; try again")
         time.sleep(0.2)
+
+
+def probes_note(snapshot: Snapshot) -> str:
+    """The live view's short form of probes_summary."""
+    if snapshot.probes_up:
+        return "kernel probes ON (PROBES column); live driver events: sudo gpuwatch trace"
+    return "kernel probes OFF (see the lines above the view, or gpuwatch doctor)"
 
 
 def probes_summary(snapshot: Snapshot, log_lines: list[str]) -> str:
