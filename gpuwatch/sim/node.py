@@ -605,7 +605,7 @@ def driver_env(
     alloc_path: str = "rm-alloc",
     suballoc_mib: int = 0,
     context_mib: int = 0,
-    ctx_teardown: str = "free-device",
+    ctx_teardown: str | None = None,
 ) -> dict[str, str]:
     """Environment that tells the stub libcuda how a process talks to the driver.
 
@@ -615,20 +615,22 @@ def driver_env(
     `context_mib`: memory each context allocates for itself (objects of at most 2 MiB).
     `ctx_teardown`: what the process's last cuCtxDestroy does to its RM client: free the
     device (the client stays), RM_FREE the client, or close nvidiactl (README "Driver
-    traffic")."""
+    traffic"); None leaves the stub's default (free-device) or the caller's setting."""
     if alloc_path not in ALLOC_PATHS:
         raise SimError(f"unknown allocation path {alloc_path!r}", fix=f"use one of {', '.join(ALLOC_PATHS)}")
-    if ctx_teardown not in CTX_TEARDOWNS:
+    if ctx_teardown is not None and ctx_teardown not in CTX_TEARDOWNS:
         raise SimError(f"unknown context teardown {ctx_teardown!r}", fix=f"use one of {', '.join(CTX_TEARDOWNS)}")
     for what, mib in (("--suballoc-mib", suballoc_mib), ("--context-mib", context_mib)):
         if not 0 <= mib <= MAX_DRIVER_MIB:
             raise SimError(f"{what} {mib} is out of range", fix=f"pass 0 to {MAX_DRIVER_MIB} MiB")
-    return {
+    env = {
         "GPUWATCH_SIM_ALLOC_PATH": alloc_path,
         "GPUWATCH_SIM_SUBALLOC_MIB": str(suballoc_mib),
         "GPUWATCH_SIM_CONTEXT_MIB": str(context_mib),
-        "GPUWATCH_SIM_CTX_TEARDOWN": ctx_teardown,
     }
+    if ctx_teardown is not None:
+        env["GPUWATCH_SIM_CTX_TEARDOWN"] = ctx_teardown
+    return env
 
 
 def preload_fake_nvml(path: Path | str, state_path: Path | str | None = None) -> ctypes.CDLL:
