@@ -23,6 +23,11 @@ def _leftovers() -> set[str]:
     return set(glob.glob("/tmp/gpuwatch-quickstart-*")) | set(glob.glob("/dev/shm/gpuwatch-sim-quickstart"))
 
 
+def _pod_line(stdout: str, pod: str) -> str:
+    """The table row of a pod (not a note that names it)."""
+    return next((ln for ln in stdout.splitlines() if pod in ln and not ln.startswith("note:")), "")
+
+
 def _bcc_importable() -> bool:
     return importlib.util.find_spec("bcc") is not None
 
@@ -41,7 +46,7 @@ def test_quickstart_simulates_three_pods_with_probes_and_enforcer_and_cleans_up(
     assert "SIMULATED GPU node" in proc.stderr
     assert "SIMULATED GPU NODE" in proc.stdout
     for pod, memory in (("trainer-0", "20.0 GiB"), ("notebook-1", "8.0 GiB"), ("server-0", "12.0 GiB")):
-        line = next((ln for ln in proc.stdout.splitlines() if pod in ln), "")
+        line = _pod_line(proc.stdout, pod)
         assert memory in line, proc.stdout
         assert "/1" in line, f"host/container PIDs missing: {line}"
     assert f"127.0.0.1:{port}/metrics" in proc.stderr
@@ -49,15 +54,16 @@ def test_quickstart_simulates_three_pods_with_probes_and_enforcer_and_cleans_up(
     if _bcc_importable():
         assert "kernel probes: ON" in proc.stderr, proc.stderr
         assert "gpuwatch trace" in proc.stderr
-        trainer = next(ln for ln in proc.stdout.splitlines() if "trainer-0" in ln)
+        assert "note: kernel probes ON" in proc.stdout  # the view itself says so too
+        trainer = _pod_line(proc.stdout, "trainer-0")
         assert "ioctl " in trainer and "alloc " in trainer, f"no probe counts for the trainer: {trainer}"
     else:
         assert "kernel probes: OFF -- " in proc.stderr and "BCC" in proc.stderr, proc.stderr
     # the enforcer under deploy/policies/demo.yaml: the trainer (60% busy, 30% allowed) is
     # throttled and says so; the others run
     assert "enforcer: ON with deploy/policies/demo.yaml" in proc.stderr, proc.stderr
-    states = {pod: next(ln for ln in proc.stdout.splitlines() if pod in ln)
-              for pod in ("trainer-0", "notebook-1", "server-0")}
+    assert "note: enforcer ON" in proc.stdout
+    states = {pod: _pod_line(proc.stdout, pod) for pod in ("trainer-0", "notebook-1", "server-0")}
     assert "throttled to 30%" in states["trainer-0"], proc.stdout
     assert "running" in states["notebook-1"] and "running" in states["server-0"], proc.stdout
     assert _leftovers() == before, "quickstart left files behind"
