@@ -12,6 +12,7 @@ as it does without the recorder: same output, same exit status, errno preserved.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import struct
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from gpuwatch.sim import sim_env
+from gpuwatch.sim.node import driver_env
 from tests.conftest import need_binary
 from tests.system.sim_helpers import GIB, MIB, private_node
 
@@ -34,6 +36,9 @@ RECORD_SCRIPT = CSRC.parent / "record-on-gpu-host.sh"
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11"]
 
 RM_ALLOC_NR = 0x2B
+RM_FREE_NR = 0x29
+VID_HEAP_NR = 0x4A
+VID_HEAP_ALLOC_SIZE, VID_HEAP_FREE = 2, 3
 RM_CONTROL_CMD = 0xC020462A
 MEMORY_LOCAL_USER = 0x40
 HEADER_KEYS = {
@@ -234,6 +239,69 @@ def test_exercise_on_the_simulated_node(tmp_path: Path, programs: Programs) -> N
     assert used["held-256m"] >= 256 * MIB
 
     assert events[-1] == {"ev": "exit", "t_ns": events[-1]["t_ns"], "status": 0}
+
+
+def driver_objects(events: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
+    """(index, bytes) of every video-memory object the trace shows the driver creating:
+    RM_ALLOC of class 0x40 (size written back in pAllocParms) and VID_HEAP_CONTROL
+    ALLOC_SIZE in video memory (NVOS32 size at 88, attr LOCATION bits 26:25 = 0)."""
+    for i, block in memory_allocs(events):
+        yield i, alloc_size(block, "after")
+    for i, ev in enumerate(events):
+        if ev.get("ev") == "ioctl" and ev["cmd"] & 0xFF == VID_HEAP_NR and (ev["cmd"] >> 8) & 0xFF == 0x46:
+            after = bytes.fromhex(ev["after"])
+            function, attr = struct.unpack_from("<I", after, 8)[0], struct.unpack_from("<I", after, 56)[0]
+            if function == VID_HEAP_ALLOC_SIZE and (attr >> 25) & 3 == 0:
+                yield i, int(struct.unpack_from("<Q", after, 88)[0])
+
+
+def is_free(ev: dict[str, Any]) -> bool:
+    if ev.get("ev") != "ioctl" or (ev["cmd"] >> 8) & 0xFF != 0x46:
+        return False
+    if ev["cmd"] & 0xFF == RM_FREE_NR:
+        return True
+    return (
+        ev["cmd"] & 0xFF == VID_HEAP_NR and struct.unpack_from("<I", bytes.fromhex(ev["before"]), 8)[0] == VID_HEAP_FREE
+    )
+
+
+@pytest.mark.parametrize(
+    ("alloc_path", "suballoc_mib", "context_mib"), [("vid-heap", 0, 2), ("rm-alloc", 8, 4), ("vid-heap", 8, 4)]
+)
+def test_recorded_driver_objects_add_up_to_nvml(
+    tmp_path: Path, programs: Programs, alloc_path: str, suballoc_mib: int, context_mib: int
+) -> None:
+    """In every allocation mode of the simulated driver, the memory objects the trace
+    shows between two checkpoints add up to what NVML's per-process number grew by: the
+    recording holds what a decoder needs (no free in between; managed memory, which the
+    sim counts without any RM call, left out)."""
+    with private_node(tmp_path, devices=1, rm_device_handles=True) as node:
+        env = sim_env(node, dict(os.environ))
+        env.update(driver_env(alloc_path=alloc_path, suballoc_mib=suballoc_mib, context_mib=context_mib))
+        trace_dir = tmp_path / "traces"
+        env = recorder_env(env, programs, trace_dir, f"{node.root}/dev/nvidia")
+        proc = subprocess.run([str(programs.exercise)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (trace,) = trace_dir.glob("*.jsonl")
+    events = read_trace(trace)
+    objects = list(driver_objects(events))
+    path_nr = VID_HEAP_NR if alloc_path == "vid-heap" else RM_ALLOC_NR
+    assert any(events[i]["cmd"] & 0xFF == path_nr for i, _ in objects)
+    checkpoints = [
+        (i, ev["name"], ev["nvml"][0]["process_used_bytes"] or 0)
+        for i, ev in enumerate(events)
+        if ev.get("ev") == "checkpoint"
+    ]
+    compared = []
+    for (start, _, before), (end, name, after) in itertools.pairwise(checkpoints):
+        if name.startswith("managed-") or any(is_free(ev) for ev in events[start:end]):
+            continue
+        grown = sum(size for i, size in objects if start < i < end)
+        assert after - before == grown, (name, after - before, grown)
+        compared.append(name)
+    assert {"context", "alloc-1k", "alloc-1g", "second-context", "held-256m"} <= set(compared)
+    used = {name: used for _, name, used in checkpoints}
+    assert used["context"] == context_mib * MIB
 
 
 def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, programs: Programs) -> None:
