@@ -34,8 +34,9 @@
  *     and first lists the tracked fds it inherited ("open" events with "inherited": true).
  *
  * Checkpoints: a program may call gwrec_checkpoint("name") (resolve it with
- * dlsym(RTLD_DEFAULT, ...): it exists only while recording). The recorder then asks NVML
- * (libnvidia-ml.so.1, loaded on demand) for this process's used memory per GPU.
+ * dlsym(RTLD_DEFAULT, ...): it exists only where the recorder is preloaded). The recorder
+ * then asks NVML (libnvidia-ml.so.1, loaded on demand and never from inside NVML's own
+ * calls) for this process's used memory per GPU.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -667,7 +668,8 @@ struct block {
     struct block *child;
 };
 
-/* Where a parameter struct of escape `nr` and `size` bytes points to: at, size_at, size_width. */
+/* Where a parameter struct of escape `nr` and `size` bytes points: the offsets of the
+ * pointer (ptr_at) and of the u32 byte count of the block it points to (size_at). */
 static int nested_rule(unsigned nr, uint32_t size, uint32_t *ptr_at, uint32_t *size_at)
 {
     if (nr == NV_ESC_RM_ALLOC && size == 32) { /* NVOS21 */
