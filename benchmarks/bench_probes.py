@@ -9,7 +9,9 @@ libcuda entry points: `endbr64`, `xor`) -- and an LD_PRELOAD interposer (bench_p
 Then, in one run, it reports:
 
 * per call, ns: cuMemAlloc_v2+cuMemFree_v2 pair, cuLaunchKernel, an NVIDIA-shaped ioctl on a
-  tracked device fd, the same ioctl on an untracked fd, and getppid (any other syscall) --
+  tracked device fd, an RM_ALLOC (video memory) + RM_FREE pair on it (the decoder's path; also
+  under a client/device/subdevice chain, as libcuda's objects are), the same ioctl on an
+  untracked fd, and getppid (any other syscall) --
   with no probe, with the LD_PRELOAD interposer, and with the probes attached (alloc group,
   opt-in launch group, ioctl group), plus the added cost and the ratio to the interposer;
 * the same syscalls with only the uprobe groups attached (ioctl group off: no syscall
@@ -93,8 +95,40 @@ def measure(paths: dict[str, Path], n: int, prefix: str, env: dict[str, str] | N
         out[f"alloc_free_pair_{tag}"] = calls_ns(paths["calls"], paths[lib], "alloc", k, prefix, env)
         out[f"launch_{tag}"] = calls_ns(paths["calls"], paths[lib], "launch", k, prefix, env)
     out["ioctl_tracked_fd"] = calls_ns(paths["calls"], paths["lib_fp"], "ioctl", n, prefix, env)
+    out["rm_alloc_free_pair"] = calls_ns(paths["calls"], paths["lib_fp"], "rmpair", n, prefix, env)
+    out["rm_alloc_free_pair_in_chain"] = calls_ns(paths["calls"], paths["lib_fp"], "rmchain", n, prefix, env)
     out["ioctl_untracked_fd"] = calls_ns(paths["calls"], paths["lib_fp"], "ioctl_untracked", n, prefix, env)
     out["getppid"] = calls_ns(paths["calls"], paths["lib_fp"], "getppid", n, prefix, env)
+    return out
+
+
+IOCTL_PROGRAMS = ("gw_enter_ioctl", "gw_exit_ioctl")
+
+
+def ioctl_program_ns(pm: ProbeManager, paths: dict[str, Path], n: int, prefix: str) -> dict[str, float]:
+    """Kernel run time of the ioctl programs per ioctl (enter + exit, BPF_ENABLE_STATS), per
+    mode: what the decoder itself costs, far less disturbed by other load than wall times."""
+    from benchmarks.bench_fdinherit import enable_bpf_stats, prog_run_stats
+
+    progs = {name: fd for name, fd in (pm._objs.progs if pm._objs else {}).items() if name in IOCTL_PROGRAMS}
+    ioctls_per_call = {"ioctl": 1, "rmpair": 2, "rmchain": 2}
+    out: dict[str, float] = {}
+    stats_fd = enable_bpf_stats()
+    try:
+        for mode, per_call in ioctls_per_call.items():
+            samples = []
+            for _ in range(3):
+                before = {p: prog_run_stats(fd) for p, fd in progs.items()}
+                subprocess.run([str(paths["calls"]), str(paths["lib_fp"]), mode, str(n), prefix], check=True,
+                               capture_output=True)
+                after = {p: prog_run_stats(fd) for p, fd in progs.items()}
+                # per ioctl: enter + exit run times over the ioctls (setup calls are few)
+                samples.append(sum((after[p][0] - before[p][0]) / max(after[p][1] - before[p][1], 1)
+                                   for p in progs))
+            out[mode] = round(min(samples), 1)
+            out[f"{mode}_per_call"] = round(min(samples) * per_call, 1)
+    finally:
+        os.close(stats_fd)
     return out
 
 
@@ -210,6 +244,7 @@ def main() -> int:
         start_s = time.monotonic() - t0
         try:
             probed = measure(paths, opts.calls, prefix)
+            program_ns = ioctl_program_ns(pm, paths, opts.calls, prefix)
             cpu_alloc = agent_cpu(pm, paths, "alloc", 10000, opts.seconds, prefix)
             cpu_ioctl = agent_cpu(pm, paths, "ioctl", 100000, opts.seconds, prefix)
             at_scale = read_cost_at_scale(pm, paths, prefix, opts.cgroups)
@@ -241,6 +276,7 @@ def main() -> int:
                 row["probe_added_over_preload_added"] = round((probed[key] - b) / max(preload[key] - b, 0.1), 1)
             per_call[key] = row
         result["per_call"] = per_call
+        result["ioctl_program_run_ns"] = program_ns
         result["load_attach"] = {"start_total_s": round(start_s, 3), "compile_load_child_s": round(pm.load_s, 3),
                                  "attach_s": round(pm.attach_s, 3)}
         result["agent_cpu"] = {"alloc_10k_per_s": cpu_alloc, "ioctl_100k_per_s": cpu_ioctl,
@@ -258,6 +294,7 @@ def main() -> int:
             print(f"{key:<32}{row['no_probe_ns']:>10}{row['probed_ns']:>10}{row['added_ns']:>10}"
                   f"{row['ratio_to_no_probe']:>8}{row.get('ld_preload_added_ns', ''):>10}"
                   f"{row.get('probe_added_over_preload_added', ''):>16}")
+        print(f"ioctl programs (enter+exit) kernel run time, ns per ioctl / per call: {program_ns}")
         print(f"syscalls with only uprobes attached (ioctl group off): {result['syscalls_with_ioctl_group_off']}")
         print(f"load/attach: {result['load_attach']}")
         print(f"agent CPU: {json.dumps(result['agent_cpu'])}")

@@ -205,6 +205,7 @@ struct gw_open_inflight {
 /* in-flight ioctl on a tracked fd, key __u32 tid: what the exit needs to read the answer */
 struct gw_ioctl_inflight {
     __u64 params;               /* user address of the (inner) parameter struct */
+    __u64 cgroup_id;            /* the process's cgroup (exit counts without a gw_tgids lookup) */
     __u32 fd;
     __u32 nr;                   /* _IOC_NR, the whole inner cmd of IOCTL_XFER_CMD, or the bare UVM number */
     __u32 size;                 /* (inner) parameter size */

@@ -112,6 +112,7 @@ int gw_enter_ioctl(struct gw_sys_enter_args *ctx)
     u32 cmd = (u32)ctx->args[1];
     struct gw_ioctl_inflight in = {};
     in.fd = fk.fd;
+    in.cgroup_id = st->cgroup_id;
     in.kind = fv->kind;
     in.params = ctx->args[2];
     in.device = (fv->kind == GW_KIND_GPU) ? gw_slot(fv->minor) : GW_DEV_UNKNOWN;
@@ -572,28 +573,32 @@ int gw_exit_ioctl(struct gw_sys_exit_args *ctx)
         return 0;
     struct gw_ioctl_inflight in = *inp;
     gw_ioctlinf.delete(&tid);
-    struct gw_tgid_state *st = gw_tgids.lookup(&tgid);
-    if (!st)
-        return 0;
     if (in.kind == GW_KIND_UVM) {
-        gw_count_uvm(st->cgroup_id, in.nr, ctx->ret);
+        gw_count_uvm(in.cgroup_id, in.nr, ctx->ret);
         return 0;
     }
-    gw_count_ioctl(st->cgroup_id, in.nr, ctx->ret);
+    gw_count_ioctl(in.cgroup_id, in.nr, ctx->ret);
     if (!in.rm)
         return 0;
     /* the status RM wrote back decides, not the syscall's return: a simulated node (no
      * driver) answers ENOTTY while the parameters hold the recorded answer */
-    if (in.nr == GW_NV_ESC_RM_CONTROL && in.size == GW_NVOS54_SIZE)
-        gw_control_exit(&in);
-    else if (in.nr == GW_NV_ESC_RM_ALLOC && (in.size == GW_NVOS21_SIZE || in.size == GW_NVOS64_SIZE))
+    if (in.nr == GW_NV_ESC_RM_CONTROL && in.size == GW_NVOS54_SIZE) {
+        gw_control_exit(&in);   /* the most frequent escape: no process state needed */
+        return 0;
+    }
+    if (in.nr == GW_NV_ESC_CARD_INFO && in.size >= GW_CARD_INFO_SIZE) {
+        gw_card_info_exit(&in);
+        return 0;
+    }
+    struct gw_tgid_state *st = gw_tgids.lookup(&tgid);
+    if (!st)
+        return 0;
+    if (in.nr == GW_NV_ESC_RM_ALLOC && (in.size == GW_NVOS21_SIZE || in.size == GW_NVOS64_SIZE))
         gw_rm_alloc_exit(&in, st, tgid);
     else if (in.nr == GW_NV_ESC_RM_FREE && in.size == GW_NVOS00_SIZE)
         gw_rm_free_exit(&in, st, tgid);
     else if (in.nr == GW_NV_ESC_RM_VID_HEAP_CONTROL && in.size == GW_NVOS32_SIZE)
         gw_vid_heap_exit(&in, st, tgid);
-    else if (in.nr == GW_NV_ESC_CARD_INFO && in.size >= GW_CARD_INFO_SIZE)
-        gw_card_info_exit(&in);
     return 0;
 }
 #endif /* GW_IOCTL */
