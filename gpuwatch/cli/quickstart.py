@@ -191,7 +191,7 @@ def _run_agent(stack: ExitStack, host: str, port: int, interval_s: float, nvml_l
                    "deploy/policies/alert-only.yaml --dry-run)", err=True)
     click.echo(f"metrics: {agent.url}/metrics   (try: curl -s {agent.url}/metrics | grep gpuwatch_container; "
                f"the same view elsewhere: gpuwatch top --agent {agent.url})", err=True)
-    notes: tuple[str, ...] = (probes_note(first),)
+    notes: tuple[str, ...] = (probes_note(first, agent.log.lines),)
     if policy is not None:
         notes += (f"enforcer ON: {demo.DEMO_POLICY_RELPATH} limits {'/'.join(demo.DEMO_THROTTLED_POD)} "
                   "to 30% GPU time (STATE)",)

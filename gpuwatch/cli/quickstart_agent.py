@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import socket
 import threading
 import time
@@ -152,11 +153,15 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
         time.sleep(0.2)
 
 
-def probes_note(snapshot: Snapshot) -> str:
-    """The live view's short form of probes_summary."""
+def probes_note(snapshot: Snapshot, log_lines: list[str]) -> str:
+    """The live view's short form of probes_summary (the screen hides the lines above it)."""
     if snapshot.probes_up:
         return "kernel probes ON (PROBES column); live driver events: sudo gpuwatch trace"
-    return "kernel probes OFF (see the lines above the view, or gpuwatch doctor)"
+    for line in log_lines:
+        found = re.search(r"BPF probes off: (.+?)(?:; | \(fix:|\)$|$)", line)
+        if found:
+            return f"kernel probes OFF: {found.group(1)} (gpuwatch doctor says how to fix it)"
+    return "kernel probes OFF (gpuwatch doctor says why)"
 
 
 def probes_summary(snapshot: Snapshot, log_lines: list[str]) -> str:
@@ -164,5 +169,6 @@ def probes_summary(snapshot: Snapshot, log_lines: list[str]) -> str:
     if snapshot.probes_up:
         return ("kernel probes: ON -- driver ioctls and CUDA allocations are counted per container in "
                 "the kernel (PROBES column); watch the events live: `sudo gpuwatch trace` in another terminal")
-    why = next((line for line in log_lines if "BPF" in line or "probes" in line), "see `gpuwatch doctor`")
+    why = next((line for line in log_lines if "BPF unavailable" in line or "BPF probes off" in line), None)
+    why = why or next((line for line in log_lines if "probes disabled" in line), "see `gpuwatch doctor`")
     return f"kernel probes: OFF -- {why}"
