@@ -316,8 +316,12 @@ class IdentityResolver:
                 self._drop_pid(pid)
                 continue
             queue.append(entry)
-            moved = text != entry.cgroup_text  # then load it again, keeping its handles
-            if moved and self._load_pid(pid, f"{self.proc_root}/{pid}", (0, 0), now, None, text, handle) is None:
+            if text == entry.cgroup_text:
+                continue
+            # moved: load it again, keeping its handles (and, as at first load, only if the
+            # process the handles belong to outlived the reads)
+            reloaded = self._load_pid(pid, f"{self.proc_root}/{pid}", (0, 0), now, None, text, handle)
+            if reloaded is None or not self._watch.alive(handle):
                 self._drop_pid(pid)
 
     # ---- cgroups ----------------------------------------------------------------------
