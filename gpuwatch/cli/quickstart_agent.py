@@ -30,7 +30,8 @@ START_TIMEOUT_S = 60.0
 
 class _StartupLog(logging.Handler):
     """Keeps the agent's log lines (what is on, what is off and why) for the quick start to
-    print before the screen opens; nothing reaches the terminal while the screen runs."""
+    report from (probes_summary, probes_note); nothing reaches the terminal while the screen
+    runs."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -117,7 +118,7 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
     logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
-    logger.propagate = False  # the screen owns the terminal; the lines are printed by the caller
+    logger.propagate = False  # the screen owns the terminal; the caller reports from the kept lines
     stop = threading.Event()
     errors: list[BaseException] = []
 
