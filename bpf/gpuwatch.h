@@ -70,6 +70,7 @@
 #define GW_NV_ESC_RM_FREE 0x29
 #define GW_NV_ESC_RM_CONTROL 0x2A
 #define GW_NV_ESC_RM_ALLOC 0x2B
+#define GW_NV_ESC_RM_DUP_OBJECT 0x34
 #define GW_NV_ESC_RM_VID_HEAP_CONTROL 0x4A
 #define GW_NV_ESC_CARD_INFO 200
 #define GW_NV_ESC_IOCTL_XFER_CMD 211
@@ -78,6 +79,7 @@
 #define GW_NVOS00_SIZE 16        /* RM_FREE: hRoot@0 hObjectParent@4 hObjectOld@8 status@12 */
 #define GW_NVOS54_SIZE 32        /* RM_CONTROL: hClient@0 hObject@4 cmd@8 params@16 paramsSize@24 status@28 */
 #define GW_NVOS32_SIZE 184       /* VID_HEAP_CONTROL: hRoot@0 hObjectParent@4 function@8 status@20, data@40 */
+#define GW_NVOS55_SIZE 28        /* DUP_OBJECT: hClient@0 hParent@4 hObject@8 hClientSrc@12 hObjectSrc@16 flags@20 status@24 */
 #define GW_XFER_SIZE 16          /* nv_ioctl_xfer_t: cmd@0 size@4 ptr@8 */
 #define GW_CARD_INFO_SIZE 72     /* nv_ioctl_card_info_t: valid@0 (u8) gpu_id@16 minor_number@56 */
 #define GW_CARD_INFO_MAX 32

@@ -25,7 +25,9 @@
  *   /dev/nvidiaN minor through the GET_ID_INFO(_V2) (instance -> gpu_id) and CARD_INFO
  *   (gpu_id -> minor) answers seen on any process (host-wide maps); children inherit their
  *   parent's slot. Where no mapping is known: the fd's GPU minor, else the process's only GPU.
- * - DUP_OBJECT / IMPORT_OBJECT_FROM_FD / RM_ALLOC_MEMORY are counted, never charged. */
+ * - DUP_OBJECT makes a reference: recorded as an object of the source's class and GPU with 0
+ *   bytes (objects allocated under a duplicated device land on its GPU); never charged, like
+ *   IMPORT_OBJECT_FROM_FD and RM_ALLOC_MEMORY, which are only counted. */
 
 #if GW_IOCTL
 struct gw_nv_xfer {
@@ -73,6 +75,16 @@ struct gw_nvos32_head {    /* NVOS32 fields the decoder reads, up to data.AllocS
     u32 type_or_free_flags;/* @48 AllocSize.type / Free.flags */
     u32 flags;             /* @52 AllocSize.flags */
     u32 attr;              /* @56 AllocSize.attr */
+};
+
+struct gw_nvos55 {
+    u32 h_client;
+    u32 h_parent;
+    u32 h_object;
+    u32 h_client_src;
+    u32 h_object_src;
+    u32 flags;
+    u32 status;
 };
 
 struct gw_card_info {      /* nv_ioctl_card_info_t, 72 bytes */
@@ -297,7 +309,8 @@ static __always_inline void gw_new_client(struct gw_ioctl_inflight *in, struct g
 }
 
 /* Record a new object (status 0 already checked) and charge its bytes. `slot_hint`: the slot
- * of a device object (from its instance), GW_DEV_UNKNOWN otherwise. */
+ * of a device object (from its instance) or of a duplicate's source; GW_DEV_UNKNOWN: the
+ * parent's slot (or the fallback for a device / an object without a known parent). */
 static __always_inline void gw_new_object(struct gw_ioctl_inflight *in, struct gw_tgid_state *st, u32 tgid,
                                           u32 h_root, u32 h_parent, u32 h_new, u32 h_class, u64 bytes,
                                           u32 slot_hint)
@@ -332,8 +345,8 @@ static __always_inline void gw_new_object(struct gw_ioctl_inflight *in, struct g
             inherited = 1;
         }
     }
-    if (h_class == GW_NV01_DEVICE_0) {
-        slot = slot_hint;
+    if (h_class == GW_NV01_DEVICE_0 || slot_hint != GW_DEV_UNKNOWN) {
+        slot = slot_hint;   /* a device's instance, or a duplicate's source GPU */
         inherited = 0;
     }
     if (slot == GW_DEV_UNKNOWN && !inherited)   /* an inherited slot stays its parent's */
@@ -522,6 +535,27 @@ static __always_inline void gw_vid_heap_exit(struct gw_ioctl_inflight *in, struc
                   GW_DEV_UNKNOWN);
 }
 
+/* DUP_OBJECT: a 0-byte reference object of the source's class on the source's GPU */
+static __always_inline void gw_dup_exit(struct gw_ioctl_inflight *in, struct gw_tgid_state *st, u32 tgid)
+{
+    struct gw_nvos55 p = {};
+    if (bpf_probe_read_user(&p, sizeof(p), (void *)in->params) != 0) {
+        gw_stat(GW_STAT_READ_FAULTS);
+        return;
+    }
+    if (p.status != 0)
+        return;
+    struct gw_rm_key sk = {};
+    sk.tgid = tgid;
+    sk.h_root = p.h_client_src;
+    sk.h_object = p.h_object_src;
+    struct gw_rm_val *src = gw_rm.lookup(&sk);
+    if (!src || src->tgid_gen != st->gen)
+        return;   /* another process's object, or one made before we started */
+    u32 h_class = src->h_class, slot = src->device;
+    gw_new_object(in, st, tgid, p.h_client, p.h_parent, p.h_object, h_class, 0, slot);
+}
+
 /* NV0000 GET_ID_INFO(_V2): deviceInstance -> gpuId, host-wide */
 static __always_inline void gw_control_exit(struct gw_ioctl_inflight *in)
 {
@@ -599,6 +633,8 @@ int gw_exit_ioctl(struct gw_sys_exit_args *ctx)
         gw_rm_free_exit(&in, st, tgid);
     else if (in.nr == GW_NV_ESC_RM_VID_HEAP_CONTROL && in.size == GW_NVOS32_SIZE)
         gw_vid_heap_exit(&in, st, tgid);
+    else if (in.nr == GW_NV_ESC_RM_DUP_OBJECT && in.size == GW_NVOS55_SIZE)
+        gw_dup_exit(&in, st, tgid);
     return 0;
 }
 #endif /* GW_IOCTL */
