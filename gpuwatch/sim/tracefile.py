@@ -203,7 +203,9 @@ def _event(path: Path, line: int, obj: dict[str, Any]) -> Event | None:
         cmd = _int(path, line, obj, "cmd")
         fd = _int(path, line, obj, "fd")
         params = _block(path, line, obj, f"ioctl {cmd:#x}")
-        if (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC and len(params.after) != (cmd >> 16) & 0x3FFF:
+        # the recorder marks a parameter struct it could not read ("unreadable": empty images)
+        sized = not obj.get("unreadable") and not obj.get("size_unknown")
+        if sized and (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC and len(params.after) != (cmd >> 16) & 0x3FFF:
             raise _error(path, line, f"ioctl {cmd:#x}: images are {len(params.after)} bytes but _IOC_SIZE "
                                      f"is {(cmd >> 16) & 0x3FFF}")
         return Ioctl(line, fd, cmd, params)
