@@ -71,11 +71,16 @@ mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9  # one build at a time (tests running in parallel share the cache)
 
-# Keep the newest $2 entries matching $1-* (by mtime); remove the rest.
+# Keep the newest $2 entries matching $1-* (by mtime); remove the rest, but never one that is
+# mounted (e.g. a test's overlay has it as its lower layer right now).
 prune() {
   local old
   while IFS= read -r old; do
     [ -n "$old" ] || continue
+    if grep -qF "$old/" /proc/self/mountinfo; then
+      log "keeping old cache entry $old: in use by a mount"
+      continue
+    fi
     log "pruning old cache entry $old"
     rm -rf --one-file-system "$old"
   done < <(ls -1dt "$cache/$1"-* 2>/dev/null | tail -n +"$(($2 + 1))")
