@@ -216,7 +216,10 @@ umoci new --image "$layout:$version"
 umoci insert --image "$layout:$version" --history.created_by "mmdebstrap $suite ${packages[*]}" \
   "$base/rootfs" /
 mkdir -p "$work/app-layer"
-tar -C "$app/rootfs" -cf - "${app_paths[@]}" | tar -C "$work/app-layer" -xf -
+# each path as it really lies in the rootfs: lib/modules is usr/lib/modules on a merged-/usr
+# Debian, and a directory "lib" in this layer would replace the base layer's lib -> usr/lib
+mapfile -t real_paths < <(for p in "${app_paths[@]}"; do chroot "$app/rootfs" realpath -m "/$p" | cut -c2-; done)
+tar -C "$app/rootfs" -cf - "${real_paths[@]}" | tar -C "$work/app-layer" -xf -
 umoci insert --image "$layout:$version" --history.created_by "gpuwatch $version wheel in $venv" \
   "$work/app-layer" /
 umoci config --image "$layout:$version" --author gpuwatch \

@@ -29,6 +29,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import tarfile
 import time
 import urllib.request
 import uuid
@@ -112,6 +113,40 @@ def test_image_has_no_compiler_and_imports_bcc(image_rootfs: Path) -> None:
                             "import bcc, gpuwatch.probes.layout as l; print(l.BPF_DIR.is_dir())"],
                            capture_output=True, text=True, timeout=60, check=False)
     assert probe.stdout.strip() == "True", probe.stderr
+
+
+def test_image_archive_unpacks_into_a_rootfs_that_runs(image_rootfs: Path, tmp_path: Path) -> None:
+    """build.sh image: the docker-archive a runtime loads names the manifests' image and holds the
+    two layers; read back (skopeo) and unpacked (umoci) as a runtime would, their union runs
+    gpuwatch (a directory in the app layer must not shadow the base's /lib -> usr/lib)."""
+    skopeo = need_binary("skopeo", "skopeo")
+    umoci = need_binary("umoci", "umoci")
+    ref = subprocess.run(["bash", str(BUILD_SH), "ref"], capture_output=True, text=True, timeout=30,
+                         check=True).stdout.strip()
+    out, oci, bundle = tmp_path / "image", tmp_path / "oci", tmp_path / "bundle"
+    try:
+        proc = subprocess.run(["bash", str(BUILD_SH), "image"], env={**os.environ, "GPUWATCH_IMAGE_OUT": str(out)},
+                              capture_output=True, text=True, timeout=900, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        archive = Path(proc.stdout.strip().splitlines()[-1])
+        with tarfile.open(archive) as tar:
+            member = tar.extractfile("manifest.json")
+            assert member is not None
+            (manifest,) = json.load(member)
+        assert manifest["RepoTags"] == [ref] and len(manifest["Layers"]) == 2, manifest
+        subprocess.run([skopeo, "--insecure-policy", "copy", "--quiet", f"docker-archive:{archive}", f"oci:{oci}:t"],
+                       check=True, capture_output=True, timeout=300)
+        subprocess.run([umoci, "unpack", "--image", f"{oci}:t", str(bundle)], check=True, capture_output=True,
+                       timeout=300)
+        config = json.loads((bundle / "config.json").read_text())
+        assert config["process"]["args"] == [ENTRYPOINT, "agent"]
+        assert (bundle / "rootfs" / "lib").is_symlink()
+        run = subprocess.run(["chroot", str(bundle / "rootfs"), ENTRYPOINT, "--help"], capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert run.returncode == 0 and "agent" in run.stdout, run.stderr
+    finally:
+        for directory in (out, oci, bundle):
+            shutil.rmtree(directory, ignore_errors=True)  # about 1.3 GB together
 
 
 def test_systemd_unit_runs_what_the_image_holds(image_rootfs: Path, tmp_path: Path) -> None:
