@@ -19,7 +19,8 @@ What differs from a kubelet, and why (the test's own adjustments, all listed in 
   containerd would mount an empty directory;
 * the simulated node: its fake libnvidia-ml (on a real node the NVIDIA toolkit injects the
   driver's), its device nodes and the lab's bundle/runc dirs, mounted at the same paths and
-  named with --nvml-library, --device-prefix, --containerd-root and --runc-root.
+  named with --nvml-library, --device-prefix, --containerd-root and --runc-root;
+* --interval=0.5 (default 1 s), to keep the test short.
 """
 
 from __future__ import annotations
