@@ -185,11 +185,15 @@ if [ ! -e "$app/.complete" ]; then
     die "installing the wheel into the image failed (log above)"
   fi
   rm -rf "$app/rootfs/tmp/wheels"
-  # The wheel carries no bpf/ sources; the installed package looks for them next to its
-  # site-packages (gpuwatch/probes/layout.py): put them there.
-  bpf_dir="$(chroot "$app/rootfs" $venv/bin/python -c 'from gpuwatch.probes.layout import BPF_DIR; print(BPF_DIR)')"
-  mkdir -p "$app/rootfs$bpf_dir"
-  cp "$work"/src/bpf/*.c "$work"/src/bpf/*.h "$app/rootfs$bpf_dir/"
+  # The wheel carries the probes' C sources (pyproject.toml data-files -> <venv>/share/gpuwatch/bpf);
+  # check the installed package finds them, or the probes would fail only at run time.
+  if ! chroot "$app/rootfs" $venv/bin/python -c \
+      'from gpuwatch.probes.layout import HEADER_PATH; assert HEADER_PATH.is_file(), HEADER_PATH' \
+      >>"$app/install.log" 2>&1; then
+    cat "$app/install.log" >&2
+    rm -rf --one-file-system "$app"
+    die "the installed gpuwatch does not find its probe sources (bpf/) — is the wheel built from a full checkout?"
+  fi
   for d in "${mount_points[@]}"; do mkdir -p "$app/rootfs/$d"; done
   printf '%s\n' "$image_ref" >"$app/rootfs/etc/gpuwatch-image"
   touch "$app/.complete"

@@ -8,9 +8,24 @@ constant listed in STRUCTS / CONSTANTS against it, so the two cannot drift apart
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
-BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+
+def find_bpf_dir() -> Path:
+    """Where the kernel programs' C sources are: bpf/ of a source checkout (also what an
+    editable install runs from), else <prefix>/share/gpuwatch/bpf where a wheel installs them
+    (pyproject.toml data-files)."""
+    checkout = Path(__file__).resolve().parents[2] / "bpf"
+    if (checkout / "gpuwatch.h").is_file():
+        return checkout
+    installed = Path(sys.prefix) / "share" / "gpuwatch" / "bpf"
+    if (installed / "gpuwatch.h").is_file():
+        return installed
+    return checkout  # neither: BCC's load then names this path in its error
+
+
+BPF_DIR = find_bpf_dir()
 HEADER_PATH = BPF_DIR / "gpuwatch.h"
 
 # ---- constants (checked against the header) ----------------------------------------------

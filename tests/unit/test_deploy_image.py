@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 IMAGE = Path(__file__).resolve().parents[2] / "deploy" / "image"
@@ -52,9 +56,23 @@ def test_same_mount_points() -> None:
     assert sorted(p.lstrip("/") for p in made[0].split()[2:]) == sorted(mount_points)
 
 
-def test_probe_sources_go_where_the_installed_package_reads_them() -> None:
-    (copy,) = [args for args in instruction("COPY") if args.startswith("bpf/")]
-    target = copy.split()[-1]
-    # gpuwatch/probes/layout.py: BPF_DIR is <site-packages>/bpf for an installed package
-    assert target.rstrip("/").endswith("site-packages/bpf")
-    assert "from gpuwatch.probes.layout import BPF_DIR" in BUILD_SH
+def test_probe_sources_come_with_the_wheel_and_are_found_there(tmp_path: Path) -> None:
+    """The wheel carries bpf/ (pyproject data-files) and an installed package reads it from
+    <prefix>/share/gpuwatch/bpf; the image build checks that instead of copying sources in."""
+    repo = IMAGE.parents[1]
+    src = tmp_path / "src"
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / name, src / name)
+    shutil.copytree(repo / "gpuwatch", src / "gpuwatch", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "bpf", src / "bpf")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path / "wheels"), str(src)], check=True)
+    (wheel,) = (tmp_path / "wheels").glob("gpuwatch-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {Path(n).name for n in names if "/data/share/gpuwatch/bpf/" in n}
+    assert shipped == {p.name for p in (repo / "bpf").iterdir() if p.suffix in (".c", ".h")}
+    assert "HEADER_PATH.is_file()" in BUILD_SH
+    assert not [args for args in instruction("COPY") if args.startswith("bpf/*")]
+
+
