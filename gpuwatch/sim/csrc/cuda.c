@@ -1000,8 +1000,14 @@ static int ledger_apply(int phys, const struct ledger_delta *d, int check_room)
     if (check_room) {
         uint64_t grow = (uint64_t)(d->rm_bytes > 0 ? d->rm_bytes : 0) +
                         (uint64_t)(d->managed_bytes > 0 ? d->managed_bytes : 0);
-        uint64_t used = sim_device_used_bytes(&g_sim, phys, &g_self, 1);
-        if (grow && used + grow > g_sim.hdr->devices[phys].memory_total_bytes) {
+        uint64_t total = g_sim.hdr->devices[phys].memory_total_bytes;
+        /* Every slot in use counted, dead or alive, is an upper bound on the live sum: when it
+         * fits, the allocation fits, and /proc/locks (whose cost grows with every lock on the
+         * host) is read only when the dead may have to be reaped to make room. */
+        uint64_t used = grow ? sim_used_bytes_in_use(&g_sim, phys) : 0;
+        if (grow && used + grow > total)
+            used = sim_device_used_bytes(&g_sim, phys, &g_self, 1);
+        if (grow && used + grow > total) {
             sim_unlock(&g_sim);
             return -1;
         }

@@ -298,6 +298,17 @@ HIDDEN uint64_t sim_used_bytes_live(struct sim_handle *h, int dev, const struct 
     return used;
 }
 
+HIDDEN uint64_t sim_used_bytes_in_use(struct sim_handle *h, int dev)
+{
+    uint32_t hw = h->hdr->proc_high_water;
+    uint32_t count = hw > SIM_MAX_PROCS ? SIM_MAX_PROCS : hw;
+    uint64_t used = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (__atomic_load_n(&h->hdr->procs[i].in_use, __ATOMIC_ACQUIRE))
+            used += h->hdr->procs[i].memory_bytes[dev];
+    return used;
+}
+
 HIDDEN uint64_t sim_device_used_bytes(struct sim_handle *h, int dev, const struct sim_self *self, int reap)
 {
     struct sim_live *live = malloc(sizeof(*live));

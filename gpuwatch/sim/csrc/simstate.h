@@ -291,5 +291,8 @@ uint64_t sim_slot_busy_us(const struct sim_proc *p, int dev, uint64_t from_ns, u
 /* sum of memory of live slots on a device; reaps dead slots when `reap` and the
  * caller holds the exclusive lock */
 uint64_t sim_device_used_bytes(struct sim_handle *h, int dev, const struct sim_self *self, int reap);
+/* Memory of every slot in use on `dev`, without checking who is alive: an upper bound of the
+ * live sum, enough to admit an allocation without reading /proc/locks. */
+uint64_t sim_used_bytes_in_use(struct sim_handle *h, int dev);
 
 #endif
