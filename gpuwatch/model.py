@@ -179,6 +179,9 @@ class ProbeCounters:
     cuda_oom_total: int = 0
     ioctl_failures_by_op: tuple[tuple[str, int], ...] = ()
     graph_launches_total: int | None = None
+    # nvidia-uvm ioctls by their bare number (hex), apart from the RM escapes whose numbers they
+    # collide with; managed memory itself is not RM bytes (issue 11)
+    uvm_ioctl_calls_by_cmd: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,10 @@ class SnapshotCollector(Collector):
         ioctls = CounterMetricFamily("gpuwatch_container_ioctl_calls",
                                      "NVIDIA driver ioctls by the container, by operation.",
                                      labels=[*PROBE_LABELS, "op"])
+        uvm_ioctls = CounterMetricFamily("gpuwatch_container_uvm_ioctl_calls",
+                                         "nvidia-uvm ioctls by the container, by bare command number "
+                                         "(managed memory; not RM allocations).",
+                                         labels=[*PROBE_LABELS, "cmd"])
         ioctl_failures = CounterMetricFamily("gpuwatch_container_ioctl_failures",
                                              "NVIDIA driver ioctls that returned an error.",
                                              labels=PROBE_LABELS)
@@ -259,6 +263,8 @@ class SnapshotCollector(Collector):
             seen.add(tuple(labels))
             for op, calls in counter.ioctl_calls_by_op:
                 ioctls.add_metric([*labels, op], calls)
+            for cmd, calls in counter.uvm_ioctl_calls_by_cmd:
+                uvm_ioctls.add_metric([*labels, cmd], calls)
             ioctl_failures.add_metric(labels, counter.ioctl_failures_total)
             allocs.add_metric(labels, counter.allocations_total)
             frees.add_metric(labels, counter.frees_total)
@@ -276,5 +282,5 @@ class SnapshotCollector(Collector):
                 cuda_allocs.add_metric(labels, counter.cuda_allocations_total)
                 cuda_frees.add_metric(labels, counter.cuda_frees_total)
                 cuda_oom.add_metric(labels, counter.cuda_oom_total)
-        return [ioctls, ioctl_failures, op_failures, allocs, frees, alloc_failures, launches, graph_launches,
-                live, cuda_live, cuda_allocs, cuda_frees, cuda_oom]
+        return [ioctls, uvm_ioctls, ioctl_failures, op_failures, allocs, frees, alloc_failures, launches,
+                graph_launches, live, cuda_live, cuda_allocs, cuda_frees, cuda_oom]

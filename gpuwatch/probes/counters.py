@@ -52,6 +52,8 @@ def read_counters(maps: Mapping[str, BpfMap], launches_on: bool, cuda_on: bool) 
                 lv = layout.GwLaunchVal.from_buffer_copy(slot)
                 a.kernel_launches += lv.kernel_launches
                 a.graph_launches += lv.graph_launches
+    for (cgroup_id, nr), (calls, _failures) in read_uvm_ioctls(maps).items():
+        get(cgroup_id).uvm_calls[nr] = calls
     return tuple(a.counters(cg, launches_on, cuda_on) for cg, a in sorted(acc.items()))
 
 
@@ -83,6 +85,7 @@ class _CgroupAcc:
         self.cuda: layout.GwMemVal | None = None
         self.kernel_launches = 0
         self.graph_launches = 0
+        self.uvm_calls: dict[int, int] = {}
 
     def counters(self, cgroup_id: int, launches_on: bool, cuda_on: bool) -> ProbeCounters:
         cuda = self.cuda
@@ -99,6 +102,7 @@ class _CgroupAcc:
             + (cuda.failures if cuda else 0),
             launches_total=self.kernel_launches + self.graph_launches if launches_on else None,
             graph_launches_total=self.graph_launches if launches_on else None,
+            uvm_ioctl_calls_by_cmd=tuple(sorted((f"{nr:#x}", n) for nr, n in self.uvm_calls.items())),
             cuda_allocated_bytes=(cuda.live_bytes if cuda else 0) if cuda_on else None,
             cuda_allocations_total=cuda.allocs if cuda else 0,
             cuda_frees_total=cuda.frees if cuda else 0,

@@ -168,6 +168,8 @@ def test_uvm_ioctls_are_counted_apart_from_rm_escapes(sim_root: Path, cgroup: Pa
             assert uvm == {0x30000001: 1, 0x2B: 2}
             # the one RM_ALLOC escape counted is the memory object's (and the client's, device's)
             assert dict(_counters(manager, cg_id).ioctl_calls_by_op)["rm_alloc"] == 3
+            # what the agent exports (gpuwatch_container_uvm_ioctl_calls{cmd})
+            assert dict(_counters(manager, cg_id).uvm_ioctl_calls_by_cmd) == {"0x30000001": 1, "0x2b": 2}
         replay.finish()
     finally:
         replay.kill()
