@@ -22,7 +22,11 @@ import click
 @click.option("--pause-at-checkpoints", is_flag=True,
               help='At each checkpoint print {"checkpoint": NAME, "nvml": [...]} on stdout and wait for a line '
                    "on stdin (a test reads the probe maps meanwhile).")
-def replay_cmd(trace_path: Path, name: str, sim_root: Path | None, pause_at_checkpoints: bool) -> None:
+@click.option("--driver", "driver", type=click.Choice(["none", "fuse"]), default="none", show_default=True,
+              help="none: each block carries the driver's recorded answer before the call. fuse: a user-space "
+                   "driver (FUSE, in the replay's own mount namespace) writes the answer into the argument's "
+                   "block during the call, as the real driver does; needs root.")
+def replay_cmd(trace_path: Path, name: str, sim_root: Path | None, pause_at_checkpoints: bool, driver: str) -> None:
     """Re-issue the ioctls of a recorded trace (gpuwatch/sim/TRACE_FORMAT.md) on the
     simulated node's device nodes, so the real kernel probes decode them.
 
@@ -48,6 +52,6 @@ def replay_cmd(trace_path: Path, name: str, sim_root: Path | None, pause_at_chec
         if sys.stdin.readline() == "":
             raise click.ClickException(f"stdin closed at checkpoint {cp.name!r}: replay stopped")
 
-    report = Replayer(sim_root / "dev", pause if pause_at_checkpoints else None).replay(trace)
+    report = Replayer(sim_root / "dev", pause if pause_at_checkpoints else None, driver=driver).replay(trace)
     click.echo(f"replayed {trace_path}: {report.opens} opens, {report.ioctls} ioctls, "
                f"{report.checkpoints} checkpoints", err=True)

@@ -3,12 +3,21 @@
 One replaying process (this one) issues the trace's calls in order: opens of /dev/nvidiaX go
 to <sim root>/dev/nvidiaX, fds are remapped, and each ioctl's parameter block and the blocks
 it points to are rebuilt in this process's memory with the pointers patched to the new
-buffers. The *after* image (the driver's answer) is written into the buffers before the
-syscall is issued: no kernel driver runs on the simulated node, and the kernel probes read
-the answer at syscall exit, so they see what they would have seen on the real GPU host.
-The syscall's own result is ignored (a simulated node answers ENOTTY). mmaps are not
-replayed (no probe decodes them). A checkpoint hands control to a callback, which can pause
-while a test reads the probe maps and compares them with the recorded NVML numbers.
+buffers. Two ways to deliver the driver's answer:
+
+* driver "none" (default): the *after* image (the driver's answer) is written into the
+  buffers before the syscall, which the sim's /dev/null-like nodes ignore; the probes, which
+  read at syscall exit, see the answer — but so would a probe that wrongly read at entry.
+* driver "fuse": the replayer enters its own mount namespace and mounts a user-space driver
+  (gpuwatch/sim/fusedev.py) over <sim root>/dev; the ioctl argument's block is built from the
+  *before* image and the driver writes the recorded *after* image into it during the call,
+  as the kernel module does (status, chosen handles, VID_HEAP sizes arrive at exit only).
+  Blocks the argument points to still carry their after image beforehand (FUSE can copy back
+  only the argument's own block). The call returns the recorded result.
+
+mmaps are not replayed (no probe decodes them). A checkpoint hands control to a callback,
+which can pause while a test reads the probe maps and compares them with the recorded NVML
+numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwatch.errors import SimError
+from gpuwatch.sim import fusedev
 from gpuwatch.sim.tracefile import (
     DEVICE_PATH_PREFIX,
     Block,
@@ -38,6 +48,7 @@ _libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
 _libc.ioctl.restype = ctypes.c_int
 
 CheckpointHook = Callable[[Checkpoint], None]
+DRIVERS = ("none", "fuse")
 
 
 @dataclass
@@ -65,26 +76,65 @@ def check_nodes(trace: Trace, dev_dir: Path) -> None:
                            "with those nodes)")
 
 
-def _materialize(block: Block, keep: list[ctypes.Array[ctypes.c_char]]) -> int:
-    """Build `block` (its after image, nested blocks patched in) in memory; returns its address.
-    Every buffer is appended to `keep` so it lives until the call is done."""
-    buf = ctypes.create_string_buffer(block.after, max(len(block.after), 8))
+def _materialize(block: Block, keep: list[ctypes.Array[ctypes.c_char]], image: str = "after") -> int:
+    """Build `block` in memory (the argument's own block from `image`, the blocks it points to
+    from their after image, pointers patched in); returns its address. Every buffer is appended
+    to `keep` so it lives until the call is done."""
+    data = block.before if image == "before" else block.after
+    buf = ctypes.create_string_buffer(data, max(len(data), 8))
     keep.append(buf)
     for at, child in block.nested:
         struct.pack_into("<Q", buf, at, _materialize(child, keep))
     return ctypes.addressof(buf)
 
 
+def _patched_after(block: Block, built: ctypes.Array[ctypes.c_char]) -> bytes:
+    """The argument's after image with the nested pointers of the block already built."""
+    answer = bytearray(block.after)
+    for at, _child in block.nested:
+        answer[at:at + 8] = built.raw[at:at + 8]
+    return bytes(answer)
+
+
 class Replayer:
     """Issues a checked Trace on the device nodes under `dev_dir`."""
 
-    def __init__(self, dev_dir: Path, on_checkpoint: CheckpointHook | None = None) -> None:
+    def __init__(self, dev_dir: Path, on_checkpoint: CheckpointHook | None = None, driver: str = "none") -> None:
+        if driver not in DRIVERS:
+            raise SimError(f"unknown replay driver {driver!r}", fix=f"use one of: {', '.join(DRIVERS)}")
         self.dev_dir = dev_dir
         self.on_checkpoint = on_checkpoint
+        self.driver = driver
         self._fds: dict[int, int] = {}  # recorded fd -> our fd
+        self._answer: tuple[int, bytes] | None = None  # what the fuse driver writes back next
 
     def replay(self, trace: Trace) -> ReplayReport:
         check_nodes(trace, self.dev_dir)
+        if self.driver != "fuse":
+            return self._replay(trace)
+        why = fusedev.available()
+        if why:
+            raise SimError(f"--driver fuse is not available here: {why}", fix="run as root, or use --driver none")
+        try:
+            fusedev.enter_private_mount_namespace()
+        except OSError as err:
+            raise SimError(f"--driver fuse: {err}", fix="run the replay as root from a single-threaded "
+                                                         "process, or use --driver none") from err
+        names = sorted(p.name for p in self.dev_dir.iterdir())
+        with fusedev.FuseDriver(self.dev_dir, names, self._driver_answer) as driver:
+            try:
+                return self._replay(trace)
+            finally:
+                self.close_all()  # before the driver goes: a close sends it FLUSH/RELEASE
+                if driver.errors:
+                    raise SimError(f"the replay driver failed: {driver.errors[0]}")
+
+    def _driver_answer(self, name: str, cmd: int, block: bytes) -> tuple[int, bytes]:
+        if self._answer is None:  # a call the replayer did not issue: answer like an empty driver
+            return -25, block  # ENOTTY
+        return self._answer
+
+    def _replay(self, trace: Trace) -> ReplayReport:
         report = ReplayReport()
         for event in trace.events:
             if isinstance(event, Open):
@@ -129,6 +179,14 @@ class Replayer:
 
     def _ioctl(self, event: Ioctl) -> None:
         keep: list[ctypes.Array[ctypes.c_char]] = []
-        address = _materialize(event.params, keep)
-        _libc.ioctl(self._fds[event.fd], event.cmd, address)  # result ignored: no driver answers
+        if self.driver == "fuse":
+            address = _materialize(event.params, keep, image="before")
+            self._answer = (event.result, _patched_after(event.params, keep[0]))
+            try:
+                _libc.ioctl(self._fds[event.fd], event.cmd, address)  # the driver answers during the call
+            finally:
+                self._answer = None
+        else:
+            address = _materialize(event.params, keep)
+            _libc.ioctl(self._fds[event.fd], event.cmd, address)  # result ignored: no driver answers
         del keep

@@ -35,6 +35,7 @@ class Block:
 
     after: bytes
     nested: tuple[tuple[int, Block], ...] = ()
+    before: bytes = b""  # what the caller passed in (same length as `after`)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Ioctl:
     fd: int
     cmd: int
     params: Block
+    result: int = 0  # what the call returned: >= 0, or -errno
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def _block(path: Path, line: int, obj: dict[str, Any], where: str) -> Block:
         if size != len(child.after):
             raise _error(path, line, f"{where}: nested@{at} size {size} but its images are {len(child.after)} bytes")
         nested.append((at, child))
-    return Block(after=after, nested=tuple(nested))
+    return Block(after=after, nested=tuple(nested), before=before)
 
 
 def _event(path: Path, line: int, obj: dict[str, Any]) -> Event | None:
@@ -208,7 +210,10 @@ def _event(path: Path, line: int, obj: dict[str, Any]) -> Event | None:
         if sized and (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC and len(params.after) != (cmd >> 16) & 0x3FFF:
             raise _error(path, line, f"ioctl {cmd:#x}: images are {len(params.after)} bytes but _IOC_SIZE "
                                      f"is {(cmd >> 16) & 0x3FFF}")
-        return Ioctl(line, fd, cmd, params)
+        ret = obj.get("ret", 0)
+        err = obj.get("errno", 0)
+        result = ret if isinstance(ret, int) and ret >= 0 else -(err if isinstance(err, int) and err > 0 else 5)
+        return Ioctl(line, fd, cmd, params, result)
     if kind == "mmap":
         return None  # no probe decodes mmaps; a /dev/null-like sim node refuses them anyway
     if kind == "checkpoint":

@@ -3,8 +3,8 @@
 A real NVIDIA driver answers inside the syscall: it writes the status, the handle it chose when
 the caller passed 0, and the rounded size of a VID_HEAP_CONTROL allocation into the caller's
 parameter block. The simulated node cannot show that (its device nodes do nothing, so the sim
-writes its answer before the call); here a user-space driver behind FUSE (tests/system/
-fusedriver.py) writes it during the call, the way the kernel module does. Every expectation
+writes its answer before the call); here a user-space driver behind FUSE (gpuwatch/sim/
+fusedev.py) writes it during the call, the way the kernel module does. Every expectation
 below differs between a decoder that reads at syscall exit (right) and one that reads at entry:
 the requested 1000 bytes vs the 64 KiB the driver granted, a free whose status is still
 "pending" at entry, an allocation that looks successful at entry and failed, a handle that is 0
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from gpuwatch.sim import fusedev
 from tests.conftest import need_bcc
-from tests.system import fusedriver
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -119,12 +119,12 @@ def _cgroup2_root() -> Path:
 @pytest.fixture
 def mounted(tmp_path: Path) -> Iterator[Path]:
     need_bcc()
-    why = fusedriver.available()
+    why = fusedev.available()
     if why:
         pytest.skip(why)
     dev = tmp_path / "dev"
     dev.mkdir()
-    with fusedriver.FuseDriver(dev, ["nvidiactl", "nvidia0"], driver) as fuse:
+    with fusedev.FuseDriver(dev, ["nvidiactl", "nvidia0"], driver) as fuse:
         yield dev
         assert not fuse.errors, fuse.errors
 

@@ -26,6 +26,7 @@ import pytest
 
 from gpuwatch.model import ProbeCounters
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from gpuwatch.sim import fusedev
 from gpuwatch.sim.tracefile import read_trace
 from tests.conftest import need_bcc
 
@@ -94,7 +95,7 @@ def _counters(pm: ProbeManager, cgroup_id: int) -> ProbeCounters:
 class Replay:
     """`gpuwatch sim replay --pause-at-checkpoints` in its own cgroup."""
 
-    def __init__(self, trace: Path, sim_root: Path, cgroup: Path) -> None:
+    def __init__(self, trace: Path, sim_root: Path, cgroup: Path, driver: str = "none") -> None:
         procs = str(cgroup / "cgroup.procs")
 
         def enter() -> None:  # before exec: every call of the replay is charged to the cgroup
@@ -103,7 +104,7 @@ class Replay:
 
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuwatch", "sim", "replay", str(trace), "--sim-root", str(sim_root),
-             "--pause-at-checkpoints"], preexec_fn=enter, cwd=REPO, text=True,
+             "--pause-at-checkpoints", "--driver", driver], preexec_fn=enter, cwd=REPO, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def checkpoints(self) -> Iterator[dict[str, object]]:
@@ -133,13 +134,22 @@ def _expected(nvml: list[dict[str, int | None]]) -> dict[int, int]:
     return {int(n["minor"] or 0): int(n["process_used_bytes"] or 0) for n in nvml}
 
 
+def _driver(name: str) -> str:
+    if name == "fuse" and fusedev.available():
+        pytest.skip(f"--driver fuse: {fusedev.available()}")
+    return name
+
+
+# driver "fuse": the argument's block starts as the caller's *before* image and a user-space
+# driver writes the recorded answer into it during the call, as the kernel module does
+@pytest.mark.parametrize("driver", ["none", "fuse"])
 @pytest.mark.parametrize("case", CASES)
-def test_decoded_live_bytes_match_nvml_at_every_checkpoint(case: str, sim_root: Path, cgroup: Path,
+def test_decoded_live_bytes_match_nvml_at_every_checkpoint(case: str, driver: str, sim_root: Path, cgroup: Path,
                                                          manager: ProbeManager) -> None:
     trace = TRACES / f"{case}.jsonl"
     recorded = read_trace(trace).checkpoints()
     cg_id = cgroup.stat().st_ino
-    replay = Replay(trace, sim_root, cgroup)
+    replay = Replay(trace, sim_root, cgroup, _driver(driver))
     seen = []
     try:
         for cp in replay.checkpoints():

@@ -1,4 +1,6 @@
-"""A device "driver" in user space for probe tests: a FUSE file system whose files answer ioctls.
+"""A device "driver" in user space: a FUSE file system whose files answer ioctls during the call.
+
+Used by `gpuwatch sim replay --driver fuse` and by tests/system/test_probes_exit_time.py.
 
 The simulated node's device nodes are /dev/null's numbers: an ioctl on them changes nothing, so
 the sim writes the driver's answer into the parameters *before* the syscall and a probe that
@@ -43,6 +45,8 @@ _NO_REPLY = {_FORGET, _BATCH_FORGET, _INTERRUPT}
 _ROOT_NODE = 1
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_PRIVATE = 0x4000, 1 << 18
 
 
 def available() -> str | None:
@@ -54,6 +58,20 @@ def available() -> str | None:
     if "fuse" not in Path("/proc/filesystems").read_text().split():
         return "the kernel has no fuse file system"
     return None
+
+
+def enter_private_mount_namespace() -> None:
+    """Give this process its own mount namespace (mounts stay private), so a FuseDriver mounted
+    over the simulated node's dev/ hides the sim's nodes from nobody else and vanishes with the
+    process. Call it while the process is still single-threaded (unshare of CLONE_NEWNS also
+    unshares the file-system context, which the kernel refuses for a threaded process)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"making mounts private: {os.strerror(err)}")
 
 
 class FuseDriver:
