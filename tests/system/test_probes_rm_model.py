@@ -32,7 +32,9 @@ from tests.conftest import need_bcc
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "fixtures" / "traces"
-CASES = sorted(p.stem for p in TRACES.glob("*.jsonl"))
+# hand-built cases, and any trace recorded on a real GPU host committed under traces/real/
+# (gpuwatch/sim/record-on-gpu-host.sh): each must decode to what NVML reported there
+CASES = sorted(str(p.relative_to(TRACES).with_suffix("")) for p in TRACES.rglob("*.jsonl"))
 MiB = 1 << 20
 
 
