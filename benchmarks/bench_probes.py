@@ -134,7 +134,9 @@ def ioctl_program_ns(pm: ProbeManager, paths: dict[str, Path], n: int, prefix: s
 
 def read_cost_at_scale(pm: ProbeManager, paths: dict[str, Path], prefix: str, cgroups: int) -> dict[str, float]:
     """CPU of one read() when `cgroups` cgroups have counters (each ran a short GPU-like job)."""
-    base = Path("/sys/fs/cgroup/unified") / f"gpuwatch-bench-probes-{os.getpid()}"
+    from gpuwatch.containers.cgroupfs import discover_mounts
+
+    base = Path(discover_mounts().unified or "/sys/fs/cgroup") / f"gpuwatch-bench-probes-{os.getpid()}"
     base.mkdir()
     made: list[Path] = []
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import demo
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
@@ -114,7 +115,7 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 def is_frozen(container: RunningContainer) -> bool:
-    v2 = Path("/sys/fs/cgroup/unified") / container.cgroup_path.lstrip("/") / "cgroup.events"
+    v2 = Path(discover_mounts().unified or "/sys/fs/cgroup") / container.cgroup_path.lstrip("/") / "cgroup.events"
     if v2.exists() and "frozen 1" in v2.read_text():
         return True
     v1 = Path("/sys/fs/cgroup/freezer") / container.cgroup_path.lstrip("/") / "freezer.state"

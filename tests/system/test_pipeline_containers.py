@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, inject_fault, sim_env, status, up
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.system.promstack import free_port
@@ -94,7 +95,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> floa
 
 def freezer_state(container: RunningContainer, state: str) -> None:
     """Freeze / thaw a container through the cgroup freezer (v2 if present, else v1)."""
-    v2 = Path("/sys/fs/cgroup/unified") / container.cgroup_path.lstrip("/") / "cgroup.freeze"
+    v2 = Path(discover_mounts().unified or "/sys/fs/cgroup") / container.cgroup_path.lstrip("/") / "cgroup.freeze"
     v1 = Path("/sys/fs/cgroup/freezer") / container.cgroup_path.lstrip("/") / "freezer.state"
     if v1.exists():
         v1.write_text(state)
