@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, sim_env, up
 
 GIB = 1024**3
@@ -33,6 +35,30 @@ def private_node(tmp_path: Path, **kwargs: Any) -> Iterator[SimNode]:
         yield node
     finally:
         down(name)
+
+
+def cgroup2_root() -> Path:
+    """Where the cgroup v2 hierarchy is mounted (hybrid or pure v2), through the project's layer."""
+    unified = discover_mounts().unified
+    if unified is None:
+        pytest.fail("no cgroup v2 mount found")
+    return Path(unified)
+
+
+@contextmanager
+def scratch_cgroup(name: str) -> Iterator[Path]:
+    """A v2 cgroup for one test, removed afterwards (retried while its last processes exit)."""
+    path = cgroup2_root() / f"{name}-{os.getpid()}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 class Workers:

@@ -28,19 +28,13 @@ from gpuwatch.model import ProbeCounters
 from gpuwatch.probes import bpfsys
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from tests.conftest import need_bcc
+from tests.system.sim_helpers import cgroup2_root
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RM_BOUND = 4096  # max_rm_allocs for this module's manager (the leak test overflows it)
 MiB = 1 << 20
 
-
-def _cgroup2_root() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    pytest.fail("no cgroup v2 mount found")
 
 
 class Workload:
@@ -139,7 +133,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     dev.mkdir()
     for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
         os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))
-    base = _cgroup2_root() / f"gpuwatch-probes-test-{os.getpid()}"
+    base = cgroup2_root() / f"gpuwatch-probes-test-{os.getpid()}"
     base.mkdir()
     lab = Lab(root=work, prefix=str(dev / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
     try:

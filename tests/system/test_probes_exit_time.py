@@ -19,7 +19,6 @@ import select
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pytest
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import fusedev
 from tests.conftest import need_bcc
+from tests.system.sim_helpers import scratch_cgroup
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -108,13 +108,6 @@ pause("freed")
 """
 
 
-def _cgroup2_root() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    pytest.fail("no cgroup v2 mount found")
-
 
 @pytest.fixture
 def mounted(tmp_path: Path) -> Iterator[Path]:
@@ -131,17 +124,8 @@ def mounted(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
-    path = _cgroup2_root() / f"gpuwatch-test-exit-time-{os.getpid()}"
-    path.mkdir()
-    try:
+    with scratch_cgroup("gpuwatch-test-exit-time") as path:
         yield path
-    finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def test_the_decoder_reads_the_drivers_answer_at_syscall_exit(mounted: Path, cgroup: Path) -> None:

@@ -29,6 +29,7 @@ from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import fusedev
 from gpuwatch.sim.tracefile import read_trace
 from tests.conftest import need_bcc
+from tests.system.sim_helpers import scratch_cgroup
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "tests" / "fixtures" / "traces"
@@ -37,13 +38,6 @@ TRACES = REPO / "tests" / "fixtures" / "traces"
 CASES = sorted(str(p.relative_to(TRACES).with_suffix("")) for p in TRACES.rglob("*.jsonl"))
 MiB = 1 << 20
 
-
-def _cgroup2_root() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    pytest.fail("no cgroup v2 mount found")
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +64,9 @@ def manager(sim_root: Path) -> Iterator[ProbeManager]:
 
 @pytest.fixture
 def cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
-    path = _cgroup2_root() / f"gpuwatch-test-rm-{os.getpid()}-{request.node.name.replace('[', '-').rstrip(']')}"
-    path.mkdir()
-    try:
+    name = request.node.name.replace("[", "-").replace("/", "-").rstrip("]")
+    with scratch_cgroup(f"gpuwatch-test-rm-{name}") as path:
         yield path
-    finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def _live_bytes(pm: ProbeManager, cgroup_id: int) -> dict[int, int]:

@@ -23,16 +23,8 @@ from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import SimNode, sim_env, status
 from gpuwatch.sim.node import driver_env
 from tests.conftest import need_bcc
-from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml
+from tests.system.sim_helpers import GIB, MIB, cgroup2_root, private_node, run_nvml
 from tests.system.test_sim_driver_traffic import DRIVEN
-
-
-def _cgroup2_root() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    pytest.fail("no cgroup v2 mount found")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +113,7 @@ def _agree(pm: ProbeManager, node: SimNode, prog: Program, cgroup_id: int, step:
 ])
 def test_probe_bytes_follow_nvml_in_every_sim_mode(node: SimNode, manager: ProbeManager, alloc_path: str,
                                                    suballoc_mib: int, context_mib: int, teardown: str) -> None:
-    cgroup = _cgroup2_root() / f"gpuwatch-test-modes-{os.getpid()}-{alloc_path}-{suballoc_mib}-{teardown}"
+    cgroup = cgroup2_root() / f"gpuwatch-test-modes-{os.getpid()}-{alloc_path}-{suballoc_mib}-{teardown}"
     cgroup.mkdir()
     prog = Program(node, cgroup, driver_env(alloc_path=alloc_path, suballoc_mib=suballoc_mib,
                                             context_mib=context_mib, ctx_teardown=teardown))

@@ -27,19 +27,12 @@ from gpuwatch.sim import sim_env
 from gpuwatch.sim.node import driver_env
 from gpuwatch.sim.tracefile import read_trace
 from tests.conftest import need_bcc
-from tests.system.sim_helpers import MIB, private_node
+from tests.system.sim_helpers import MIB, cgroup2_root, private_node
 from tests.system.test_recorder import Programs, programs, recorder_env  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 MANAGED_RANGE = 64 * MIB  # cuda_exercise's cuMemAllocManaged
 
-
-def _cgroup2_root() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    pytest.fail("no cgroup v2 mount found")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +79,7 @@ def test_recorded_trace_replayed_under_the_probes_matches_nvml(
     trace = _record(tmp_path, programs, **mode)
     checkpoints = read_trace(trace).checkpoints()
     assert len(checkpoints) >= 10
-    cgroup = _cgroup2_root() / f"gpuwatch-test-replay-{os.getpid()}-{mode['alloc_path']}"
+    cgroup = cgroup2_root() / f"gpuwatch-test-replay-{os.getpid()}-{mode['alloc_path']}"
     cgroup.mkdir()
     procs = str(cgroup / "cgroup.procs")
 
