@@ -18,7 +18,8 @@ import pytest
 
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from tests.conftest import need_bcc
-from tests.system.test_probes import Lab, _cgroup2_root, build_lab_binaries, counters_for, wait_for
+from tests.system.sim_helpers import cgroup2_root
+from tests.system.test_probes import Lab, build_lab_binaries, counters_for, wait_for
 
 MiB = 1 << 20
 
@@ -32,7 +33,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     dev.mkdir()
     for name in ("nvidiactl", "nvidia0", "nvidia1"):
         os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))
-    base = _cgroup2_root() / f"gpuwatch-fdseed-test-{os.getpid()}"
+    base = cgroup2_root() / f"gpuwatch-fdseed-test-{os.getpid()}"
     base.mkdir()
     lab = Lab(root=work, prefix=str(dev / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
     try:
