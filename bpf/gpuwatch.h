@@ -91,6 +91,55 @@
 #define GW_NV01_MEMORY_LOCAL_USER 0x40
 #define GW_NV01_MEMORY_LOCAL_PHYSICAL 0xC2
 #define GW_NV_MEMORY_PARAMS_SIZE_OFFSET 64   /* NV_MEMORY_ALLOCATION_PARAMS.size (u64) */
+
+/* RM_ALLOC parameter blocks are sized by the class, never by paramsSize: the RM looks the class
+ * up in its resource table (rmapiGetClassAllocParamSize, open-gpu-kernel-modules
+ * src/nvidia/src/kernel/rmapi/resource_desc.c, called from alloc_free.c with the caller's
+ * paramsSize discarded), and real libcuda (580, CUDA 13, measured on an H100) sends every
+ * RM_ALLOC with paramsSize 0. The table: class -> bytes RM copies in (sizeof the class's
+ * allocation struct, measured by compiling NVIDIA's 580.142 SDK headers); "optional" classes
+ * are read only when pAllocParms is not NULL; 0 = the class takes no parameters. The decoder
+ * reads two of these blocks (0x40 size@64, 0x80 deviceId@0); the recorder captures all of them
+ * (gpuwatch/sim/csrc/ioctl_recorder.c keeps the same table; a unit test compares them).
+ * A class missing here: the decoder reads nothing from its parameters. */
+#define GW_RM_ALLOC_PARAMS_TABLE(X) \
+    X(0x0000, 4)    /* NV01_ROOT: NvHandle (optional) */ \
+    X(0x0001, 4)    /* NV01_ROOT_NON_PRIV: NvHandle (optional) */ \
+    X(0x0041, 4)    /* NV01_ROOT_CLIENT: NvHandle (optional) */ \
+    X(0x0080, 56)   /* NV01_DEVICE_0: NV0080_ALLOC_PARAMETERS (optional), deviceId@0 */ \
+    X(0x2080, 4)    /* NV20_SUBDEVICE_0: NV2080_ALLOC_PARAMETERS (optional) */ \
+    X(0x2081, 4)    /* NV2081_BINAPI (optional) */ \
+    X(0x0040, 128)  /* NV01_MEMORY_LOCAL_USER: NV_MEMORY_ALLOCATION_PARAMS (120 on 535), size@64 */ \
+    X(0x003E, 128)  /* NV01_MEMORY_SYSTEM: NV_MEMORY_ALLOCATION_PARAMS */ \
+    X(0x50A0, 128)  /* NV50_MEMORY_VIRTUAL: NV_MEMORY_ALLOCATION_PARAMS */ \
+    X(0x00C2, 24)   /* NV01_MEMORY_LOCAL_PHYSICAL: NV_PHYSICAL_MEMORY_ALLOCATION_PARAMS */ \
+    X(0x0071, 40)   /* NV01_MEMORY_SYSTEM_OS_DESCRIPTOR: NV_OS_DESC_MEMORY_ALLOCATION_PARAMS */ \
+    X(0x90F1, 56)   /* FERMI_VASPACE_A: NV_VASPACE_ALLOCATION_PARAMETERS */ \
+    X(0x00F8, 48)   /* NV_MEMORY_FABRIC: NV00F8_ALLOCATION_PARAMETERS */ \
+    X(0x00FD, 80)   /* NV_MEMORY_MULTICAST_FABRIC: NV00FD_ALLOCATION_PARAMETERS */ \
+    X(0x00DE, 8)    /* RM_USER_SHARED_DATA: NV00DE_ALLOC_PARAMETERS */ \
+    X(0x503C, 4)    /* NV50_THIRD_PARTY_P2P: NV503C_ALLOC_PARAMETERS (optional) */ \
+    X(0xC8B5, 8)    /* HOPPER_DMA_COPY_A: NVB0B5_ALLOCATION_PARAMETERS (optional) */ \
+    X(0x83DE, 12)   /* GT200_DEBUGGER: NV83DE_ALLOC_PARAMETERS */ \
+    X(0xCB33, 4)    /* NV_CONFIDENTIAL_COMPUTE (optional) */ \
+    X(0xC661, 2)    /* HOPPER_USERMODE_A: NV_HOPPER_USERMODE_A_PARAMS (optional) */ \
+    X(0xCBC0, 16)   /* HOPPER_COMPUTE_A: NV_GR_ALLOCATION_PARAMETERS (optional) */ \
+    X(0xC86F, 368)  /* HOPPER_CHANNEL_GPFIFO_A: NV_CHANNEL_ALLOC_PARAMS */ \
+    X(0xA06C, 20)   /* KEPLER_CHANNEL_GROUP_A: NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS */ \
+    X(0x9067, 12)   /* FERMI_CONTEXT_SHARE_A: NV_CTXSHARE_ALLOCATION_PARAMETERS */ \
+    X(0x90E6, 0)    /* GF100_SUBDEVICE_MASTER: no parameters */ \
+    X(0x0079, 0)    /* GP100_UVM_SW: no parameters */
+
+#define GW_RM_ALLOC_PARAMS_CASE(cls, bytes) case cls: return bytes;
+/* Bytes of the RM_ALLOC parameter block of class `h_class` (0: none, or a class not in the table). */
+static inline __attribute__((always_inline)) __u32 gw_rm_alloc_params_bytes(__u32 h_class)
+{
+    switch (h_class) {
+    GW_RM_ALLOC_PARAMS_TABLE(GW_RM_ALLOC_PARAMS_CASE)
+    default:
+        return 0;
+    }
+}
 #define GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO 0x202
 #define GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 0x205   /* params: gpuId@0 gpuFlags@4 deviceInstance@8 */
 #define GW_NVOS32_FUNCTION_ALLOC_SIZE 2   /* data.AllocSize: hMemory@44 flags@52 attr@56 size@88 */

@@ -11,7 +11,9 @@
  *   (0x0/0x1/0x41: key hObjectNew, remembers the fd it was allocated on) in gw_clients, any
  *   other object in gw_rm with its parent, class, device slot and, for NV01_MEMORY_LOCAL_USER
  *   (0x40), NV_MEMORY_ALLOCATION_PARAMS.size as RM wrote it back. 0xC2 (no framebuffer memory,
- *   other params) and every other class record 0 bytes.
+ *   other params) and every other class record 0 bytes. The parameter block is sized by the
+ *   class, as RM sizes it (gpuwatch.h GW_RM_ALLOC_PARAMS_TABLE), never by paramsSize: real
+ *   libcuda sends paramsSize 0 on every RM_ALLOC.
  * - VID_HEAP_CONTROL (NVOS32) ALLOC_SIZE with LOCATION VIDMEM and not VIRTUAL records a
  *   0x40 object hMemory of data.AllocSize.size; FREE frees data.Free.hMemory like RM_FREE.
  * - RM_FREE of an object releases its bytes and those of all its descendants (each object's
@@ -444,29 +446,22 @@ static __always_inline void gw_free_object(struct gw_tgid_state *st, u32 tgid, u
 static __always_inline void gw_rm_alloc_exit(struct gw_ioctl_inflight *in, struct gw_tgid_state *st, u32 tgid)
 {
     struct gw_nvos_head h = {};
-    u32 tail[2] = {};   /* NVOS21: paramsSize @24, status @28 */
-    u32 status = 1, params_size = 0;
+    u32 status = 1;
     if (bpf_probe_read_user(&h, sizeof(h), (void *)in->params) != 0) {
         gw_stat(GW_STAT_READ_FAULTS);
         return;
     }
-    if (in->size == GW_NVOS21_SIZE) {
-        if (bpf_probe_read_user(tail, sizeof(tail), (void *)(in->params + 24)) != 0) {
-            gw_stat(GW_STAT_READ_FAULTS);
-            return;
-        }
-        params_size = tail[0];
-        status = tail[1];
-    } else {
-        if (bpf_probe_read_user(&params_size, sizeof(params_size), (void *)(in->params + 32)) != 0 ||
-            bpf_probe_read_user(&status, sizeof(status), (void *)(in->params + 40)) != 0) {
-            gw_stat(GW_STAT_READ_FAULTS);
-            return;
-        }
+    /* status: NVOS21 @28, NVOS64 @40. paramsSize is not read: RM sizes the parameter block by
+     * the class (gw_rm_alloc_params_bytes), and real libcuda sends 0 there. */
+    u64 status_at = in->size == GW_NVOS21_SIZE ? 28 : 40;
+    if (bpf_probe_read_user(&status, sizeof(status), (void *)(in->params + status_at)) != 0) {
+        gw_stat(GW_STAT_READ_FAULTS);
+        return;
     }
+    u32 params_bytes = h.p_alloc_parms ? gw_rm_alloc_params_bytes(h.h_class) : 0;
     u64 bytes = 0;
     u32 slot_hint = GW_DEV_UNKNOWN;
-    if (h.h_class == GW_NV01_MEMORY_LOCAL_USER && params_size >= GW_NV_MEMORY_PARAMS_SIZE_OFFSET + 8) {
+    if (h.h_class == GW_NV01_MEMORY_LOCAL_USER && params_bytes >= GW_NV_MEMORY_PARAMS_SIZE_OFFSET + 8) {
         if (bpf_probe_read_user(&bytes, sizeof(bytes),
                                 (void *)(h.p_alloc_parms + GW_NV_MEMORY_PARAMS_SIZE_OFFSET)) != 0) {
             gw_stat(GW_STAT_READ_FAULTS);
@@ -485,7 +480,7 @@ static __always_inline void gw_rm_alloc_exit(struct gw_ioctl_inflight *in, struc
         gw_new_client(in, st, tgid, h.h_new);
         return;
     }
-    if (h.h_class == GW_NV01_DEVICE_0 && params_size >= 4) {
+    if (h.h_class == GW_NV01_DEVICE_0 && params_bytes >= 4) {
         u32 instance = 0;
         if (bpf_probe_read_user(&instance, sizeof(instance), (void *)h.p_alloc_parms) == 0)
             slot_hint = gw_instance_slot(instance);

@@ -62,6 +62,22 @@ GW_NV20_SUBDEVICE_0 = 0x2080
 GW_NV01_MEMORY_LOCAL_USER = 0x40
 GW_NV01_MEMORY_LOCAL_PHYSICAL = 0xC2
 GW_NV_MEMORY_PARAMS_SIZE_OFFSET = 64
+
+# RM_ALLOC parameter bytes by class, as the RM sizes them (it ignores paramsSize; real libcuda
+# sends 0): bpf/gpuwatch.h GW_RM_ALLOC_PARAMS_TABLE, checked by tests/unit/test_probes_layout.py.
+RM_ALLOC_PARAMS_BYTES: dict[int, int] = {
+    0x0000: 4, 0x0001: 4, 0x0041: 4,  # root/client classes: NvHandle (optional)
+    0x0080: 56,                       # NV01_DEVICE_0: NV0080_ALLOC_PARAMETERS, deviceId@0
+    0x2080: 4, 0x2081: 4,             # subdevice, binapi
+    0x0040: 128, 0x003E: 128, 0x50A0: 128,  # NV_MEMORY_ALLOCATION_PARAMS (120 on 535), size@64
+    0x00C2: 24,                       # NV_PHYSICAL_MEMORY_ALLOCATION_PARAMS
+    0x0071: 40,                       # OS descriptor memory
+    0x90F1: 56,                       # FERMI_VASPACE_A
+    0x00F8: 48, 0x00FD: 80,           # fabric / multicast fabric memory
+    0x00DE: 8, 0x503C: 4, 0xC8B5: 8, 0x83DE: 12, 0xCB33: 4, 0xC661: 2, 0xCBC0: 16,
+    0xC86F: 368, 0xA06C: 20, 0x9067: 12,
+    0x90E6: 0, 0x0079: 0,             # no parameters
+}
 GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO = 0x202
 GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 = 0x205
 GW_NVOS32_FUNCTION_ALLOC_SIZE = 2

@@ -6,6 +6,7 @@ mirrored struct and field and the value of every mirrored constant, and compares
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +24,8 @@ def _c_program() -> str:
             lines.append(f'printf("off {cname}.{fname} %zu\\n", offsetof(struct {cname}, {fname}));')
     for const in layout.CONSTANTS:
         lines.append(f'printf("const {const} %lld\\n", (long long)({const}));')
+    for cls in (*layout.RM_ALLOC_PARAMS_BYTES, 0xBEEF):
+        lines.append(f'printf("params 0x{cls:x} %u\\n", gw_rm_alloc_params_bytes({cls:#x}));')
     lines += ["return 0;", "}"]
     return "\n".join(lines)
 
@@ -69,3 +72,21 @@ def test_constants_match_header(const: str, header_facts: dict[str, int]) -> Non
 
 def test_stat_names_cover_every_stat() -> None:
     assert len(layout.STAT_NAMES) == layout.GW_STAT_COUNT
+
+
+def test_rm_alloc_params_table_matches_header(header_facts: dict[str, int]) -> None:
+    """Every class of the mirror sizes as the header's switch does, and the header's table
+    lists no class the mirror lacks (parsed from GW_RM_ALLOC_PARAMS_TABLE)."""
+    for cls, size in layout.RM_ALLOC_PARAMS_BYTES.items():
+        assert header_facts[f"params {cls:#x}"] == size, hex(cls)
+    text = Path(layout.HEADER_PATH).read_text()
+    table = text[text.index("#define GW_RM_ALLOC_PARAMS_TABLE"):text.index("#define GW_RM_ALLOC_PARAMS_CASE")]
+    in_header = {int(m.split(",")[0], 16) for m in re.findall(r"X\((0x[0-9A-Fa-f]+, *\d+)\)", table)}
+    assert in_header == set(layout.RM_ALLOC_PARAMS_BYTES)
+
+
+def test_decoded_fields_lie_inside_their_class_blocks_and_unknown_classes_read_nothing(
+        header_facts: dict[str, int]) -> None:
+    assert header_facts["params 0xbeef"] == 0  # not in the table
+    assert layout.RM_ALLOC_PARAMS_BYTES[layout.GW_NV01_MEMORY_LOCAL_USER] >= layout.GW_NV_MEMORY_PARAMS_SIZE_OFFSET + 8
+    assert layout.RM_ALLOC_PARAMS_BYTES[layout.GW_NV01_DEVICE_0] >= 4
