@@ -50,6 +50,7 @@ HEADER_KEYS = {
     "argv",
     "driver_version",
     "cuda_driver_version",
+    "alloc_params",
     "simulated",
     "gpus",
 }
@@ -65,7 +66,7 @@ EVENT_KEYS = {
 # keys a line may carry beyond the format's (proposed as additions to the format)
 OPTIONAL_KEYS = {
     "open": {"errno", "inherited"},
-    "ioctl": {"size_unknown", "unreadable"},
+    "ioctl": {"size_unknown", "unreadable", "params_size_unknown"},
 }
 
 
@@ -126,6 +127,7 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     header = events[0]
     assert set(header) == HEADER_KEYS, header
     assert header["format"] == "gpuwatch-ioctl-trace" and header["version"] == 1
+    assert header["alloc_params"] == "by-class"  # RM_ALLOC parameters sized as the RM sizes them
     assert isinstance(header["pid"], int) and isinstance(header["argv"], list)
     for gpu in header["gpus"]:
         assert set(gpu) == {"minor", "uuid", "name", "memory_total_bytes"}, gpu
@@ -359,6 +361,7 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
     assert (ioctls[5]["cmd"], inner["at"], inner["size"]) == (0xC01046D3, 8, 48)
     (inner_params,) = inner["nested"]
     assert (inner_params["at"], alloc_size(inner_params, "before")) == (16, 5 * MIB)
+    check_rm_alloc_by_class(ioctls[6:15])
 
     dups = [(ev["fd"], ev["newfd"]) for ev in events if ev.get("ev") == "dup"]
     assert [d[0] for d in dups] == [ctl_fd] * 4 and [d[1] for d in dups][1:] == [100, 101, 200]
@@ -370,7 +373,10 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
 
     uvm = [ev for ev in ioctls if ev["fd"] == uvm_fd]
     assert uvm[0]["cmd"] == 0x30000001 and uvm[0]["before"] == "02" + "00" * 15
-    assert uvm[1]["cmd"] == 33 and uvm[1]["size_unknown"] is True and uvm[1]["before"] == ""
+    # MAP_EXTERNAL_ALLOCATION: its 24-byte head (base, length, offset), the same on every branch
+    assert uvm[1]["cmd"] == 33 and "size_unknown" not in uvm[1]
+    assert struct.unpack("<QQQ", bytes.fromhex(uvm[1]["before"])) == (0x7F0000200000, 2 * MIB, 4096)
+    assert uvm[2]["cmd"] == 68 and uvm[2]["size_unknown"] is True and uvm[2]["before"] == ""
 
     # 4 threads x 200 RM_CONTROLs (NVOS54.cmd at 8 = 0x100 + thread number), none lost
     storm = [ev for ev in ioctls if ev["tid"] != parent_pid]
@@ -405,6 +411,35 @@ def test_calls_keep_their_behaviour_and_are_recorded_whole(tmp_path: Path, progr
         ("ioctl", kept, None),
         ("exit", None, None),
     ]
+
+
+def check_rm_alloc_by_class(ioctls: list[dict[str, Any]]) -> None:
+    """The RM_ALLOCs of test_recorder_calls.c's rm_alloc_by_class: pAllocParms is captured
+    with the class's size (RM_ALLOC_PARAMS_BYTES) whatever paramsSize says, a NULL pointer
+    never, and an unknown class by a non-zero paramsSize or not at all (marked)."""
+    def classes(ev: dict[str, Any]) -> int:
+        return int(struct.unpack_from("<I", bytes.fromhex(ev["before"]), 12)[0])
+
+    mem, device, null_client, client, unknown0, unknown16, mem_size8, nvos21, xfer = ioctls
+    assert [classes(ev) for ev in ioctls[:8]] == [0x40, 0x80, 0x41, 0x41, 0x1234, 0x1234, 0x40, 0x40]
+    (block,) = mem["nested"]
+    assert (block["at"], block["size"], alloc_size(block, "before")) == (16, 128, 7 * MIB)
+    (block,) = device["nested"]
+    assert (block["at"], block["size"], block["before"][:2]) == (16, 56, "01")
+    assert null_client["nested"] == [] and "params_size_unknown" not in null_client
+    (block,) = client["nested"]
+    assert (block["size"], block["before"]) == (4, "0100d0c1")
+    assert unknown0["nested"] == [] and unknown0["params_size_unknown"] is True
+    (block,) = unknown16["nested"]
+    assert (block["size"], block["before"]) == (16, "ab" * 16) and "params_size_unknown" not in unknown16
+    (block,) = mem_size8["nested"]
+    assert (block["size"], alloc_size(block, "before")) == (128, 9 * MIB)
+    (block,) = nvos21["nested"]
+    assert (len(nvos21["before"]), block["at"], block["size"], alloc_size(block, "before")) == (64, 16, 128, 11 * MIB)
+    (inner,) = xfer["nested"]
+    (block,) = inner["nested"]
+    assert (xfer["cmd"], block["at"], block["size"], alloc_size(block, "before")) == (0xC01046D3, 16, 128, 13 * MIB)
+    assert all("params_size_unknown" not in ev for ev in ioctls if ev is not unknown0)
 
 
 def test_without_a_trace_directory_nothing_is_recorded(tmp_path: Path, programs: Programs) -> None:

@@ -32,6 +32,8 @@
 #define XFER 0xc01046d3u
 #define UVM_INITIALIZE 0x30000001u
 #define UVM_MAP_EXTERNAL_ALLOCATION 33u
+#define UVM_ALLOC_SEMAPHORE_POOL 68u /* a size the recorder does not know */
+#define UNKNOWN_CLASS 0x1234u
 
 typedef struct {
     uint32_t hRoot, hObjectParent, hObjectNew, hClass;
@@ -69,6 +71,54 @@ static void alloc_params(unsigned char *p, uint64_t size)
 {
     memset(p, 0, 128);
     memcpy(p + 64, &size, 8);
+}
+
+/* One NVOS64 RM_ALLOC of `hclass` with the given pAllocParms and paramsSize. */
+static long rm_alloc64(uint32_t hclass, void *params, uint32_t params_size)
+{
+    nvos64 a;
+    memset(&a, 0, sizeof(a));
+    a.hClass = hclass;
+    a.pAllocParms = (uint64_t)(uintptr_t)params;
+    a.paramsSize = params_size;
+    return ioctl(g_ctl, RM_ALLOC_NVOS64, &a);
+}
+
+/* RM_ALLOCs as real libcuda issues them (paramsSize 0: the RM sizes pAllocParms by class),
+ * and the fallbacks for a class the recorder does not know. */
+static void rm_alloc_by_class(void)
+{
+    unsigned char mem[128], mem2[128], mem3[128], xfer_mem[128];
+    alloc_params(mem, 7u << 20);
+    show("rm_alloc class 0x40 paramsSize 0", rm_alloc64(0x40, mem, 0));
+    unsigned char device[56];
+    memset(device, 0, sizeof(device));
+    device[0] = 1; /* deviceId */
+    show("rm_alloc class 0x80 paramsSize 0", rm_alloc64(0x80, device, 0));
+    show("rm_alloc class 0x41 NULL params", rm_alloc64(0x41, NULL, 0));
+    uint32_t client = 0xc1d00001;
+    show("rm_alloc class 0x41 paramsSize 0", rm_alloc64(0x41, &client, 0));
+    unsigned char other[16];
+    memset(other, 0xab, sizeof(other));
+    show("rm_alloc unknown class paramsSize 0", rm_alloc64(UNKNOWN_CLASS, other, 0));
+    show("rm_alloc unknown class paramsSize 16", rm_alloc64(UNKNOWN_CLASS, other, sizeof(other)));
+    alloc_params(mem2, 9u << 20);
+    show("rm_alloc class 0x40 paramsSize 8", rm_alloc64(0x40, mem2, 8)); /* the class wins */
+
+    alloc_params(mem3, 11u << 20);
+    nvos21 a21;
+    memset(&a21, 0, sizeof(a21));
+    a21.hClass = 0x40;
+    a21.pAllocParms = (uint64_t)(uintptr_t)mem3;
+    show("rm_alloc nvos21 class 0x40 paramsSize 0", ioctl(g_ctl, RM_ALLOC_NVOS21, &a21));
+
+    alloc_params(xfer_mem, 13u << 20);
+    nvos64 inner;
+    memset(&inner, 0, sizeof(inner));
+    inner.hClass = 0x40;
+    inner.pAllocParms = (uint64_t)(uintptr_t)xfer_mem;
+    xfer x = {0x2B, sizeof(inner), (uint64_t)(uintptr_t)&inner};
+    show("xfer rm_alloc class 0x40 paramsSize 0", ioctl(g_ctl, XFER, &x));
 }
 
 static void *control_storm(void *arg)
@@ -163,6 +213,7 @@ int main(int argc, char **argv)
     inner.paramsSize = sizeof(inner_params);
     xfer x = {0x2B, sizeof(inner), (uint64_t)(uintptr_t)&inner};
     show("xfer rm_alloc", ioctl(g_ctl, XFER, &x));
+    rm_alloc_by_class();
 
     int d1 = dup(g_ctl);
     show("dup", d1);
@@ -190,8 +241,10 @@ int main(int argc, char **argv)
     show("open nvidia-uvm", uvm);
     unsigned char init[16] = {2};
     show("uvm initialize", ioctl(uvm, UVM_INITIALIZE, init));
+    uint64_t map_external[64] = {0x7f0000200000ull, 2u << 20, 4096}; /* base, length, offset, ... */
+    show("uvm map external", ioctl(uvm, UVM_MAP_EXTERNAL_ALLOCATION, map_external));
     unsigned char unknown[64] = {0};
-    show("uvm map external", ioctl(uvm, UVM_MAP_EXTERNAL_ALLOCATION, unknown));
+    show("uvm alloc semaphore pool", ioctl(uvm, UVM_ALLOC_SEMAPHORE_POOL, unknown));
 
     pthread_t threads[4];
     for (uintptr_t i = 0; i < 4; i++)

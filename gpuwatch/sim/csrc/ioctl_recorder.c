@@ -668,18 +668,109 @@ struct block {
     struct block *child;
 };
 
-/* Where a parameter struct of escape `nr` and `size` bytes points: the offsets of the
- * pointer (ptr_at) and of the u32 byte count of the block it points to (size_at). */
-static int nested_rule(unsigned nr, uint32_t size, uint32_t *ptr_at, uint32_t *size_at)
+/* ---- RM_ALLOC parameter bytes by class ----
+ *
+ * The RM never uses NVOS21/NVOS64.paramsSize: it copies in as many bytes at pAllocParms as
+ * the class's allocation parameter struct holds (alloc_free.c -> rmapiParamsCopyInit,
+ * param_copy.c -> rmapiGetClassAllocParamSize, resource_desc.c, in open-gpu-kernel-modules
+ * src/nvidia/src/kernel/rmapi/; the classes and their structs are listed in resource_list.h).
+ * Real libcuda (580.159.04, CUDA 13) passes paramsSize 0 on every RM_ALLOC, so the recorder
+ * captures pAllocParms by this table, as the RM reads it, whatever paramsSize says; only a
+ * class missing here falls back to a non-zero paramsSize.
+ *
+ * Bytes measured by compiling NVIDIA's 580.142 SDK headers (sizeof of the struct that
+ * resource_list.h names). "optional" (RS_OPTIONAL): pAllocParms may be NULL, and the RM then
+ * reads nothing; the recorder never reads a NULL pointer for any class. Bytes 0 (RS_NONE):
+ * the RM reads nothing. NV_MEMORY_ALLOCATION_PARAMS is 120 bytes on driver 535 (128 from 550
+ * on, numaNode@120); rm_alloc_params_bytes() asks the driver version for that.
+ *
+ * The same table is bpf/gpuwatch.h's and gpuwatch/probes/layout.py's RM_ALLOC_PARAMS_BYTES;
+ * tests/unit/test_trace_sizes.py parses this array and requires the two to agree. Keep one
+ * {class, bytes, optional} entry per line. */
+struct rm_alloc_class {
+    uint32_t hclass;
+    uint32_t bytes;
+    int optional;
+};
+static const struct rm_alloc_class RM_ALLOC_PARAMS_BYTES[] = {
+    {0x0000, 4, 1},   /* NV01_ROOT: NvHandle (the client handle asked for) */
+    {0x0001, 4, 1},   /* NV01_ROOT_NON_PRIV: NvHandle */
+    {0x0041, 4, 1},   /* NV01_ROOT_CLIENT: NvHandle */
+    {0x0080, 56, 1},  /* NV01_DEVICE_0: NV0080_ALLOC_PARAMETERS */
+    {0x2080, 4, 1},   /* NV20_SUBDEVICE_0: NV2080_ALLOC_PARAMETERS */
+    {0x2081, 4, 1},   /* NV2081_BINAPI: NV2081_ALLOC_PARAMETERS */
+    {0x0040, 128, 0}, /* NV01_MEMORY_LOCAL_USER: NV_MEMORY_ALLOCATION_PARAMS (size u64 @64) */
+    {0x003E, 128, 0}, /* NV01_MEMORY_SYSTEM: NV_MEMORY_ALLOCATION_PARAMS */
+    {0x50A0, 128, 0}, /* NV50_MEMORY_VIRTUAL: NV_MEMORY_ALLOCATION_PARAMS */
+    {0x00C2, 24, 0},  /* NV01_MEMORY_LOCAL_PHYSICAL: NV_PHYSICAL_MEMORY_ALLOCATION_PARAMS */
+    {0x0071, 40, 0},  /* NV01_MEMORY_SYSTEM_OS_DESCRIPTOR: NV_OS_DESC_MEMORY_ALLOCATION_PARAMS */
+    {0x90F1, 56, 0},  /* FERMI_VASPACE_A: NV_VASPACE_ALLOCATION_PARAMETERS */
+    {0x00F8, 48, 0},  /* NV_MEMORY_FABRIC: NV00F8_ALLOCATION_PARAMETERS */
+    {0x00FD, 80, 0},  /* NV_MEMORY_MULTICAST_FABRIC: NV00FD_ALLOCATION_PARAMETERS */
+    {0x00DE, 8, 0},   /* RM_USER_SHARED_DATA: NV00DE_ALLOC_PARAMETERS */
+    {0x503C, 4, 1},   /* NV50_THIRD_PARTY_P2P: NV503C_ALLOC_PARAMETERS */
+    {0xC8B5, 8, 1},   /* HOPPER_DMA_COPY_A: NVB0B5_ALLOCATION_PARAMETERS */
+    {0x83DE, 12, 0},  /* GT200_DEBUGGER: NV83DE_ALLOC_PARAMETERS */
+    {0xCB33, 4, 1},   /* NV_CONFIDENTIAL_COMPUTE: NV_CONFIDENTIAL_COMPUTE_ALLOC_PARAMS */
+    {0xC661, 2, 1},   /* HOPPER_USERMODE_A: NV_HOPPER_USERMODE_A_PARAMS */
+    {0xCBC0, 16, 1},  /* HOPPER_COMPUTE_A: NV_GR_ALLOCATION_PARAMETERS */
+    {0xC86F, 368, 0}, /* HOPPER_CHANNEL_GPFIFO_A: NV_CHANNEL_ALLOC_PARAMS */
+    {0xA06C, 20, 0},  /* KEPLER_CHANNEL_GROUP_A: NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS */
+    {0x9067, 12, 0},  /* FERMI_CONTEXT_SHARE_A: NV_CTXSHARE_ALLOCATION_PARAMETERS */
+    {0x90E6, 0, 0},   /* GF100_SUBDEVICE_MASTER: no parameters */
+    {0x0079, 24, 0},  /* NV01_EVENT_OS_EVENT: NV0005_ALLOC_PARAMETERS (RS_REQUIRED, 4 x u32 + NvP64) */
+};
+
+#define NV_MEMORY_ALLOCATION_PARAMS_535_BYTES 120u
+
+static void driver_version(char *buf, size_t cap, int use_nvml);
+
+/* The driver's major version from /proc/driver/nvidia/version (0: none there, as on the
+ * simulated node), read once. */
+static int driver_major(void)
 {
+    static int cached = -1;
+    int major = __atomic_load_n(&cached, __ATOMIC_ACQUIRE);
+    if (major < 0) {
+        char version[96];
+        driver_version(version, sizeof(version), 0);
+        major = atoi(version);
+        __atomic_store_n(&cached, major, __ATOMIC_RELEASE);
+    }
+    return major;
+}
+
+/* How many bytes the RM reads at pAllocParms for `hclass` (-1: a class not in the table). */
+static int rm_alloc_params_bytes(uint32_t hclass)
+{
+    for (size_t i = 0; i < sizeof(RM_ALLOC_PARAMS_BYTES) / sizeof(RM_ALLOC_PARAMS_BYTES[0]); i++) {
+        const struct rm_alloc_class *c = &RM_ALLOC_PARAMS_BYTES[i];
+        if (c->hclass != hclass)
+            continue;
+        if (c->bytes == 128 && driver_major() > 0 && driver_major() < 550)
+            return (int)NV_MEMORY_ALLOCATION_PARAMS_535_BYTES;
+        return (int)c->bytes;
+    }
+    return -1;
+}
+
+/* Where a parameter struct of escape `nr` and `size` bytes points: the offsets of the
+ * pointer (ptr_at) and of the u32 byte count of the block it points to (size_at). For
+ * RM_ALLOC the byte count is only a fallback (see RM_ALLOC_PARAMS_BYTES); class_at is the
+ * offset of hClass there, -1 elsewhere. */
+static int nested_rule(unsigned nr, uint32_t size, uint32_t *ptr_at, uint32_t *size_at, int *class_at)
+{
+    *class_at = -1;
     if (nr == NV_ESC_RM_ALLOC && size == 32) { /* NVOS21 */
         *ptr_at = 16;
         *size_at = 24;
+        *class_at = 12;
         return 1;
     }
     if (nr == NV_ESC_RM_ALLOC && size == 48) { /* NVOS64 */
         *ptr_at = 16;
         *size_at = 32;
+        *class_at = 12;
         return 1;
     }
     if (nr == NV_ESC_RM_CONTROL && size == 32) { /* NVOS54 */
@@ -695,15 +786,26 @@ static int nested_rule(unsigned nr, uint32_t size, uint32_t *ptr_at, uint32_t *s
     return 0;
 }
 
-/* Fill `b`'s child from its before image (escape nr); pool is scratch for the images. */
-static void plan_nested(struct block *b, unsigned nr, struct block *nodes, int depth, unsigned char **pool)
+/* Fill `b`'s child from its before image (escape nr); pool is scratch for the images.
+ * Sets *size_unknown when an RM_ALLOC points at parameters whose size neither the class
+ * table nor paramsSize gives (nothing captured). */
+static void plan_nested(struct block *b, unsigned nr, struct block *nodes, int depth, unsigned char **pool,
+                        int *size_unknown)
 {
     uint32_t ptr_at, size_at;
+    int class_at;
     b->child = NULL;
-    if (!b->before_ok || depth >= 2 || !nested_rule(nr, b->size, &ptr_at, &size_at))
+    if (!b->before_ok || depth >= 2 || !nested_rule(nr, b->size, &ptr_at, &size_at, &class_at))
         return;
     uint64_t addr = get_u64(b->before, ptr_at);
     uint32_t declared = get_u32(b->before, size_at);
+    if (class_at >= 0) { /* RM_ALLOC: the RM reads what the class says, paramsSize only if unknown */
+        int by_class = rm_alloc_params_bytes(get_u32(b->before, (size_t)class_at));
+        if (by_class >= 0)
+            declared = (uint32_t)by_class;
+        else if (declared == 0 && addr != 0)
+            *size_unknown = 1;
+    }
     if (addr == 0 || declared == 0)
         return;
     struct block *c = &nodes[depth];
@@ -718,7 +820,7 @@ static void plan_nested(struct block *b, unsigned nr, struct block *nodes, int d
     c->before_ok = read_user(c->before, c->addr, c->size) == 0;
     b->child = c;
     if (nr == NV_ESC_IOCTL_XFER_CMD) /* the inner command's own nested block */
-        plan_nested(c, get_u32(b->before, 0) & 0xffu, nodes, depth + 1, pool);
+        plan_nested(c, get_u32(b->before, 0) & 0xffu, nodes, depth + 1, pool, size_unknown);
 }
 
 static void read_after(struct block *b)
@@ -757,7 +859,11 @@ static void put_nested(struct out *o, const struct block *c)
 
 /* Parameter sizes of the nvidia-uvm ioctls CUDA issues whose layout does not depend on
  * UVM_MAX_GPUS or the driver branch (kernel-open/nvidia-uvm/uvm_ioctl.h and
- * uvm_linux_ioctl.h; sizes computed from the field lists with 8-byte-aligned NvU64). */
+ * uvm_linux_ioctl.h; sizes computed from the field lists with 8-byte-aligned NvU64).
+ * MAP_EXTERNAL_ALLOCATION is captured by its head only: base u64 @0, length u64 @8,
+ * offset u64 @16 come before perGpuAttributes[UVM_MAX_GPUS] (535 to 595 alike), so they
+ * are the same on every branch; the rest (attributes, gpuAttributesCount, rmCtrlFd,
+ * hClient, hMemory, rmStatus) is not captured. */
 static int uvm_param_size(unsigned long cmd)
 {
     switch (cmd) {
@@ -772,6 +878,7 @@ static int uvm_param_size(unsigned long cmd)
     case 29: return 36;         /* ENABLE_PEER_ACCESS */
     case 30: return 36;         /* DISABLE_PEER_ACCESS */
     case 31: return 32;         /* SET_RANGE_GROUP */
+    case 33: return 24;         /* MAP_EXTERNAL_ALLOCATION: its head only (see above) */
     case 34: return 24;         /* FREE: base, length, rmStatus */
     case 37: return 40;         /* REGISTER_GPU */
     case 38: return 20;         /* UNREGISTER_GPU */
@@ -818,8 +925,9 @@ static int record_ioctl(int fd, unsigned long request, void *arg, int (*call)(in
     top.after = pool + top_size;
     pool += 2 * (size_t)top_size;
     top.before_ok = read_user(top.before, top.addr, top_size) == 0;
+    int params_size_unknown = 0;
     if (!uvm && IOC_TYPE(cmd) == NV_MAGIC)
-        plan_nested(&top, IOC_NR(cmd), nodes, 0, &pool);
+        plan_nested(&top, IOC_NR(cmd), nodes, 0, &pool, &params_size_unknown);
     int ret = call(fd, request, arg);
     int err = errno;
     uint64_t t = mono_ns();
@@ -833,6 +941,8 @@ static int record_ioctl(int fd, unsigned long request, void *arg, int (*call)(in
         puts_(&o, ", \"size_unknown\": true");
     else if (top_size && !top.before_ok)
         puts_(&o, ", \"unreadable\": true");
+    if (params_size_unknown)
+        puts_(&o, ", \"params_size_unknown\": true");
     puts_(&o, ", \"nested\": ");
     put_nested(&o, top.child);
     puts_(&o, "}");
@@ -1072,6 +1182,8 @@ static void build_header(struct out *o, int use_nvml)
         putf(o, ", \"cuda_driver_version\": %d", cuda);
     else
         puts_(o, ", \"cuda_driver_version\": null");
+    /* RM_ALLOC parameters captured by class (RM_ALLOC_PARAMS_BYTES), not by paramsSize alone */
+    puts_(o, ", \"alloc_params\": \"by-class\"");
     putf(o, ", \"simulated\": %s, \"gpus\": ", getenv("GPUWATCH_SIM_STATE") ? "true" : "false");
     if (use_nvml)
         put_header_gpus(o);
