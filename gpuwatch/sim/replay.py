@@ -15,6 +15,12 @@ buffers. Two ways to deliver the driver's answer:
   Blocks the argument points to still carry their after image beforehand (FUSE can copy back
   only the argument's own block). The call returns the recorded result.
 
+An RM_ALLOC whose pAllocParms block the trace does not carry (a trace made before the
+recorder sized those blocks by class: real libcuda sends paramsSize 0) gets a zero-filled block
+of the class's size (layout.RM_ALLOC_PARAMS_BYTES), never the recorded address, which in this
+process points at whatever happens to be mapped there; one line on stderr says so, since the
+probes then decode those allocations as 0 bytes.
+
 mmaps are not replayed (no probe decodes them). A checkpoint hands control to a callback,
 which can pause while a test reads the probe maps and compares them with the recorded NVML
 numbers.
@@ -25,14 +31,21 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TextIO
 
 from gpuwatch.errors import SimError
+from gpuwatch.probes.layout import RM_ALLOC_PARAMS_BYTES
 from gpuwatch.sim import fusedev
 from gpuwatch.sim.tracefile import (
     DEVICE_PATH_PREFIX,
+    IOCTL_XFER_CMD_NR,
+    NV_IOCTL_MAGIC,
+    RM_ALLOC_PARAMS_AT,
+    XFER_PTR_AT,
     Block,
     Checkpoint,
     Close,
@@ -41,6 +54,7 @@ from gpuwatch.sim.tracefile import (
     Ioctl,
     Open,
     Trace,
+    rm_alloc_of,
 )
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -96,10 +110,49 @@ def _patched_after(block: Block, built: ctypes.Array[ctypes.c_char]) -> bytes:
     return bytes(answer)
 
 
+def _zero_filled_alloc_params(nr: int, block: Block) -> tuple[Block, int]:
+    """`block` (the parameter struct of escape `nr`) with a zero-filled pAllocParms block
+    where it is an RM_ALLOC that passed a pointer but carries no captured block, sized as the
+    RM sizes it (by class; an unknown class by its paramsSize). Returns the block and how
+    many bytes were filled in (-1: nothing to fill)."""
+    alloc = rm_alloc_of(nr, block)
+    if alloc is not None:
+        if alloc.params is not None or alloc.params_address == 0:
+            return block, -1
+        size_bytes = RM_ALLOC_PARAMS_BYTES.get(alloc.hclass, alloc.params_size)
+        zeros = Block(after=bytes(size_bytes), before=bytes(size_bytes))
+        return replace(block, nested=(*block.nested, (RM_ALLOC_PARAMS_AT, zeros))), size_bytes
+    if nr == IOCTL_XFER_CMD_NR and len(block.before) >= 4:
+        inner_nr = struct.unpack_from("<I", block.before, 0)[0] & 0xFF
+        nested = dict(block.nested)
+        if XFER_PTR_AT in nested:
+            inner, filled = _zero_filled_alloc_params(inner_nr, nested[XFER_PTR_AT])
+            if filled >= 0:
+                nested[XFER_PTR_AT] = inner
+                return replace(block, nested=tuple(nested.items())), filled
+    return block, -1
+
+
+def fill_missing_alloc_params(trace: Trace) -> tuple[dict[int, Block], int]:
+    """The parameter blocks to issue instead of the recorded ones (by event line) so that no
+    RM_ALLOC points at an address of the recorded process, and how many of them lost bytes
+    the RM would have read (filled with zeros: the trace carries no allocation sizes)."""
+    blocks: dict[int, Block] = {}
+    lost = 0
+    for event in trace.events:
+        if isinstance(event, Ioctl) and (event.cmd >> 8) & 0xFF == NV_IOCTL_MAGIC:
+            block, filled = _zero_filled_alloc_params(event.cmd & 0xFF, event.params)
+            if filled >= 0:
+                blocks[event.line] = block
+                lost += filled > 0
+    return blocks, lost
+
+
 class Replayer:
     """Issues a checked Trace on the device nodes under `dev_dir`."""
 
-    def __init__(self, dev_dir: Path, on_checkpoint: CheckpointHook | None = None, driver: str = "none") -> None:
+    def __init__(self, dev_dir: Path, on_checkpoint: CheckpointHook | None = None, driver: str = "none",
+                 stderr: TextIO | None = None) -> None:
         if driver not in DRIVERS:
             raise SimError(f"unknown replay driver {driver!r}", fix=f"use one of: {', '.join(DRIVERS)}")
         self.dev_dir = dev_dir
@@ -107,9 +160,20 @@ class Replayer:
         self.driver = driver
         self._fds: dict[int, int] = {}  # recorded fd -> our fd
         self._answer: tuple[int, bytes] | None = None  # what the fuse driver writes back next
+        self._params: dict[int, Block] = {}  # event line -> the block issued instead (see fill_missing_alloc_params)
+        self._stderr = stderr
+
+    def _note_missing_sizes(self, trace: Trace) -> None:
+        self._params, lost = fill_missing_alloc_params(trace)
+        if lost:
+            print(f"{trace.path}: the trace carries no allocation sizes ({lost} RM_ALLOC parameter blocks were "
+                  "not recorded: recorded by a recorder that followed paramsSize, which real libcuda sends "
+                  "as 0); they are replayed as zeros, so the probes decode those allocations as 0 bytes",
+                  file=self._stderr or sys.stderr, flush=True)
 
     def replay(self, trace: Trace) -> ReplayReport:
         check_nodes(trace, self.dev_dir)
+        self._note_missing_sizes(trace)
         if self.driver != "fuse":
             return self._replay(trace)
         why = fusedev.available()
@@ -179,14 +243,15 @@ class Replayer:
 
     def _ioctl(self, event: Ioctl) -> None:
         keep: list[ctypes.Array[ctypes.c_char]] = []
+        params = self._params.get(event.line, event.params)
         if self.driver == "fuse":
-            address = _materialize(event.params, keep, image="before")
-            self._answer = (event.result, _patched_after(event.params, keep[0]))
+            address = _materialize(params, keep, image="before")
+            self._answer = (event.result, _patched_after(params, keep[0]))
             try:
                 _libc.ioctl(self._fds[event.fd], event.cmd, address)  # the driver answers during the call
             finally:
                 self._answer = None
         else:
-            address = _materialize(event.params, keep)
+            address = _materialize(params, keep)
             _libc.ioctl(self._fds[event.fd], event.cmd, address)  # result ignored: no driver answers
         del keep

@@ -10,6 +10,7 @@ checked for type, then dropped).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,15 @@ TRACE_VERSION = 1
 DEVICE_PATH_PREFIX = "/dev/nvidia"
 POINTER_BYTES = 8
 NV_IOCTL_MAGIC = 0x46  # 'F': RM escapes carry their parameter size in the cmd word
+RM_ALLOC_NR = 0x2B
+IOCTL_XFER_CMD_NR = 211  # nv_ioctl_xfer_t: inner cmd u32 @0, inner block at the pointer @8
+XFER_PTR_AT = 8
+# RM_ALLOC's parameter struct: NVOS21 (32 bytes) or NVOS64 (48): hClass @12, pAllocParms @16,
+# then paramsSize and status at these offsets
+RM_ALLOC_CLASS_AT = 12
+RM_ALLOC_PARAMS_AT = 16
+RM_ALLOC_SIZE_STATUS_AT = {32: (24, 28), 48: (32, 40)}
+NV01_MEMORY_LOCAL_USER = 0x40
 
 
 class TraceError(SimError):
@@ -84,6 +94,49 @@ Event = Open | Close | Dup | Ioctl | Checkpoint | Exit
 
 
 @dataclass(frozen=True)
+class RmAlloc:
+    """What an RM_ALLOC's parameter struct (NVOS21 or NVOS64) says, as recorded."""
+
+    hclass: int
+    params_address: int  # pAllocParms in the recorded process (0: none passed)
+    params_size: int  # paramsSize as passed: the RM ignores it (real libcuda sends 0)
+    status: int  # the RM's status in the after image (0: allocated)
+    params: Block | None  # the captured pAllocParms block; None: the recorder kept none
+
+
+def rm_alloc_of(nr: int, block: Block) -> RmAlloc | None:
+    """Parse `block` as the parameter struct of escape `nr` if that is an RM_ALLOC."""
+    offsets = RM_ALLOC_SIZE_STATUS_AT.get(len(block.after))
+    if nr != RM_ALLOC_NR or offsets is None:
+        return None
+    size_at, status_at = offsets
+    image = block.before or block.after
+    nested = dict(block.nested)
+    return RmAlloc(hclass=struct.unpack_from("<I", image, RM_ALLOC_CLASS_AT)[0],
+                   params_address=struct.unpack_from("<Q", image, RM_ALLOC_PARAMS_AT)[0],
+                   params_size=struct.unpack_from("<I", image, size_at)[0],
+                   status=struct.unpack_from("<I", block.after, status_at)[0],
+                   params=nested.get(RM_ALLOC_PARAMS_AT))
+
+
+def rm_allocs_in(event: Ioctl) -> Iterator[RmAlloc]:
+    """The RM_ALLOC an 'F' ioctl carries: its own parameter struct, or the inner one of an
+    IOCTL_XFER_CMD whose inner command is RM_ALLOC."""
+    if (event.cmd >> 8) & 0xFF != NV_IOCTL_MAGIC:
+        return
+    nr = event.cmd & 0xFF
+    found = rm_alloc_of(nr, event.params)
+    if found is not None:
+        yield found
+    elif nr == IOCTL_XFER_CMD_NR and len(event.params.before) >= 4:
+        inner = dict(event.params.nested).get(XFER_PTR_AT)
+        if inner is not None:
+            found = rm_alloc_of(struct.unpack_from("<I", event.params.before, 0)[0] & 0xFF, inner)
+            if found is not None:
+                yield found
+
+
+@dataclass(frozen=True)
 class Trace:
     path: Path
     header: dict[str, Any]
@@ -96,6 +149,21 @@ class Trace:
 
     def checkpoints(self) -> tuple[Checkpoint, ...]:
         return tuple(e for e in self.events if isinstance(e, Checkpoint))
+
+    @property
+    def allocation_sizes_recorded(self) -> bool:
+        """False when some successful RM_ALLOC of video memory (class 0x40, status 0) has no
+        captured pAllocParms block: the trace was made by a recorder that followed paramsSize
+        only, and real libcuda sends paramsSize 0 (the real traces of driver 580), so the
+        allocation sizes were never recorded and a replay can only show them as 0 bytes.
+        Such traces have no "alloc_params" in their header (the class-sizing recorder writes
+        "by-class")."""
+        for event in self.events:
+            if isinstance(event, Ioctl):
+                for alloc in rm_allocs_in(event):
+                    if alloc.hclass == NV01_MEMORY_LOCAL_USER and alloc.status == 0 and alloc.params is None:
+                        return False
+        return True
 
 
 def read_trace(path: Path) -> Trace:
