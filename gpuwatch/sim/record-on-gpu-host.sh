@@ -106,6 +106,13 @@ for t in $traces; do
     printf '  %s: %s lines, %s ioctls, %s checkpoints\n' "${t#"$out/traces/"}" "$(wc -l <"$t")" \
         "$(grep -c '"ev": "ioctl"' "$t" || true)" "$(grep -c '"ev": "checkpoint"' "$t" || true)"
 done
+# RM_ALLOCs of a class the recorder's table (RM_ALLOC_PARAMS_BYTES) lacks, sent with paramsSize 0:
+# their parameters were not captured
+unsized=$(cat $traces | grep -c '"params_size_unknown": true' || true)
+if [ "${unsized:-0}" -gt 0 ]; then
+    echo "note: $unsized RM_ALLOC calls use a class the recorder does not know the parameter size of"
+    echo "(\"params_size_unknown\": true, nothing captured): say which classes in the issue."
+fi
 echo
 if head -n 1 "$first" | grep -q '"simulated": true'; then
     echo "note: these traces come from gpuwatch's SIMULATED node (GPUWATCH_SIM_STATE is set):"
