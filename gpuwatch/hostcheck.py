@@ -18,8 +18,10 @@ from enum import StrEnum
 from pathlib import Path
 
 from gpuwatch.containers.cgroupfs import discover_mounts
+from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.probes.bcc_loader import BUNDLED_HEADERS, HOST_MERGED_HEADERS, KernelHeaders, find_kernel_headers
 
-KERNEL_HEADERS_FALLBACK = "/opt/gpuwatch/kernel-headers/current"
+KERNEL_HEADERS_FALLBACK = str(HOST_MERGED_HEADERS)
 
 
 class Status(StrEnum):
@@ -44,7 +46,8 @@ class HostRoots:
     sys_root: str = "/sys"
     proc_root: str = "/proc"
     lib_modules: str = "/lib/modules"
-    kernel_headers_fallback: str = KERNEL_HEADERS_FALLBACK
+    kernel_headers_fallback: str = KERNEL_HEADERS_FALLBACK  # the host's merged tree (deploy/setup.sh)
+    bundled_kernel_headers: str = str(BUNDLED_HEADERS)  # the agent image's own tree
 
 
 def check_root(euid: int | None = None) -> Check:
@@ -85,29 +88,35 @@ def check_bcc(find_spec: Callable[[str], object] = importlib.util.find_spec) -> 
     return Check("bcc", Status.OK, f"bcc at {origin or 'unknown location'}")
 
 
+def kernel_headers(roots: HostRoots = HostRoots(), release: str | None = None) -> KernelHeaders:
+    """The kernel headers BCC will compile against and where they come from (the agent's own
+    choice: probes/bcc_loader.find_kernel_headers); ProbesUnavailable when there are none."""
+    return find_kernel_headers(release or platform.release(), lib_modules=Path(roots.lib_modules),
+                               host_merged=Path(roots.kernel_headers_fallback),
+                               bundled=Path(roots.bundled_kernel_headers))
+
+
 def kernel_headers_dir(roots: HostRoots = HostRoots(), release: str | None = None) -> str | None:
-    """The kernel header tree BCC should use, or None when there is none."""
-    rel = release or platform.release()
-    build = Path(roots.lib_modules, rel, "build")
-    if build.exists():
-        return str(build)
-    env = os.environ.get("BCC_KERNEL_SOURCE")
-    if env and Path(env).is_dir():
-        return env
-    fallback = Path(roots.kernel_headers_fallback)
-    if fallback.is_dir():
-        return str(fallback.resolve())
-    return None
+    """The kernel header tree BCC should use, or None when there is none (or BCC_KERNEL_SOURCE
+    names no directory)."""
+    try:
+        return kernel_headers(roots, release).path
+    except ProbesUnavailable:
+        return None
 
 
 def check_kernel_headers(roots: HostRoots = HostRoots(), release: str | None = None) -> Check:
-    found = kernel_headers_dir(roots, release)
-    if found is None:
-        return Check("kernel-headers", Status.WARN, "no kernel headers for BCC",
-                     loses="kernel probes (BCC compiles its programs against them)",
-                     fix="apt-get install linux-headers-amd64, then `bash deploy/setup.sh install` "
-                         "(merges Debian's split header tree for BCC)")
-    return Check("kernel-headers", Status.OK, found)
+    """Which header tree BCC compiles against, and from where: BCC_KERNEL_SOURCE, the host's
+    /lib/modules, the host's merged tree (deploy/setup.sh) or the agent image's bundled tree."""
+    try:
+        found = kernel_headers(roots, release)
+    except ProbesUnavailable as err:
+        return Check("kernel-headers", Status.WARN, err.message.removeprefix("BPF probes off: "),
+                     loses="kernel probes (BCC compiles its programs against kernel headers)",
+                     fix="run the agent image (it carries headers); on a host: apt-get install "
+                         "linux-headers-amd64, then `bash deploy/setup.sh install` (merges Debian's "
+                         "split header tree for BCC); or set BCC_KERNEL_SOURCE to a header tree")
+    return Check("kernel-headers", Status.OK, found.describe())
 
 
 def check_btf(roots: HostRoots = HostRoots()) -> Check:

@@ -19,6 +19,9 @@ def doctor(as_json: bool, strict: bool) -> None:
     """Check root, NVML, BCC + kernel headers, BTF, cgroup mode, tracepoints, runc, Prometheus.
 
     Every capability gpuwatch can lose is listed with what you lose and how to fix it.
+    The kernel-headers line names the tree BCC will compile the probes against and where it
+    comes from: BCC_KERNEL_SOURCE, host /lib/modules, host merged tree (deploy/setup.sh) or
+    image bundled tree (the agent image's own Debian headers, for hosts that have none).
     Nothing is changed on the host.
     """
     checks = run_all()

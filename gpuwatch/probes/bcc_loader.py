@@ -8,11 +8,18 @@ attaches and reads maps with plain bpf() syscalls (bpfsys.py) and never maps LLV
 Parent side: `load_programs(request)`. Child side: `python -m gpuwatch.probes.bcc_loader FD`.
 Two compilation units: "probes" (bpf/ above, the default) and "devicegate" (the cgroup
 device program of device isolation, bpf/devicegate.bpf.c; LoadRequest(unit=...)).
+
+Kernel headers (`find_kernel_headers`): BCC compiles against a kernel header tree, but the
+programs use no kernel struct layout (tracepoint arguments, uprobe registers and helpers
+only), so the headers of any recent kernel serve. Many GPU hosts have BTF and no headers at
+all (COS, Bottlerocket, Talos, Flatcar, the H100 host of issue 16): the agent image carries
+Debian's headers at BUNDLED_HEADERS (deploy/image/bundle-kernel-headers.sh) for them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -29,7 +36,21 @@ from gpuwatch.probes.layout import BPF_DIR
 # programs); the files are used unchanged
 BPF_SOURCES = ("gpuwatch.bpf.c", "common.bpf.c", "devices.bpf.c", "ioctl.bpf.c", "inherit.bpf.c",
                "cuda.bpf.c", "lifecycle.bpf.c")
-HEADERS_FALLBACK = Path("/opt/gpuwatch/kernel-headers/current")
+# where kernel headers are looked for, in this order (find_kernel_headers): $BCC_KERNEL_SOURCE;
+# LIB_MODULES/<release>/build (the host's own, matching the running kernel); the tree
+# deploy/setup.sh merges from Debian's split packages on a host without them; the tree the
+# agent image carries (outside /opt/gpuwatch/kernel-headers, so a host mount there cannot hide it)
+LIB_MODULES = Path("/lib/modules")
+HOST_MERGED_HEADERS = Path("/opt/gpuwatch/kernel-headers/current")
+BUNDLED_HEADERS = Path("/opt/gpuwatch/bundled-kernel-headers")
+BUNDLED_ORIGIN_FILE = "gpuwatch-headers.txt"  # one line: which Debian packages the tree is from
+# the sources, as find_kernel_headers names them (doctor and the agent's log print them)
+HEADERS_FROM_ENV = "BCC_KERNEL_SOURCE"
+HEADERS_FROM_HOST = "host /lib/modules"
+HEADERS_FROM_HOST_MERGED = "host merged tree"
+HEADERS_FROM_BUNDLED = "image bundled tree"
+
+log = logging.getLogger(__name__)
 
 TRACEPOINT = "tracepoint"
 UPROBE = "uprobe"
@@ -114,25 +135,77 @@ class LoadedObjects:
         self.progs.clear()
 
 
-def kernel_headers_env() -> dict[str, str]:
-    """Environment for BCC: BCC_KERNEL_SOURCE when /lib/modules/$(uname -r)/build is missing."""
-    env = dict(os.environ)
-    build = Path("/lib/modules") / os.uname().release / "build"
-    if build.exists() or env.get("BCC_KERNEL_SOURCE"):
+@dataclass(frozen=True)
+class KernelHeaders:
+    """The header tree BCC compiles against and where it came from (HEADERS_FROM_*)."""
+
+    path: str
+    source: str
+    detail: str = ""  # e.g. which Debian packages a bundled tree is from
+
+    def describe(self) -> str:
+        """One line for doctor and the agent's log: `<path> (<source>: <detail>)`."""
+        return f"{self.path} ({self.source}" + (f": {self.detail})" if self.detail else ")")
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for the BCC child: BCC_KERNEL_SOURCE unless BCC finds the tree by itself."""
+        env = dict(os.environ if base is None else base)
+        if self.source != HEADERS_FROM_HOST:
+            env["BCC_KERNEL_SOURCE"] = self.path
         return env
-    if HEADERS_FALLBACK.is_dir():
-        env["BCC_KERNEL_SOURCE"] = str(HEADERS_FALLBACK)
-        return env
+
+
+def find_kernel_headers(release: str | None = None, environ: dict[str, str] | None = None,
+                        lib_modules: Path = LIB_MODULES, host_merged: Path = HOST_MERGED_HEADERS,
+                        bundled: Path = BUNDLED_HEADERS) -> KernelHeaders:
+    """The kernel headers BCC should use: $BCC_KERNEL_SOURCE if set, else the host's
+    /lib/modules/<release>/build, else the host's merged tree, else the image's bundled tree.
+
+    Raise ProbesUnavailable when BCC_KERNEL_SOURCE names no directory (an explicit setting
+    that is wrong is not silently replaced) or when there is no tree at all. Paths are
+    parameters so tests can point them at fixture trees.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("BCC_KERNEL_SOURCE")
+    if explicit:
+        if Path(explicit).is_dir():
+            return KernelHeaders(explicit, HEADERS_FROM_ENV)
+        raise ProbesUnavailable(
+            f"BPF probes off: BCC_KERNEL_SOURCE={explicit} is not a directory",
+            fix="point BCC_KERNEL_SOURCE at a kernel header tree, or unset it to use the host's "
+                "headers or the ones the agent image carries")
+    rel = release or os.uname().release
+    build = lib_modules / rel / "build"
+    if build.is_dir():  # a dangling symlink (its /usr/src not mounted) does not count
+        return KernelHeaders(str(build), HEADERS_FROM_HOST)
+    if host_merged.is_dir():
+        real = host_merged.resolve()
+        return KernelHeaders(str(real), HEADERS_FROM_HOST_MERGED, "made by deploy/setup.sh"
+                             + (f", via {host_merged}" if real != host_merged else ""))
+    if (bundled / "include").is_dir():
+        try:
+            origin = (bundled / BUNDLED_ORIGIN_FILE).read_text().strip().splitlines()[0]
+        except (OSError, IndexError):
+            origin = "origin not recorded"
+        return KernelHeaders(str(bundled), HEADERS_FROM_BUNDLED,
+                             f"{origin}; the host has none for {rel}")
     raise ProbesUnavailable(
-        f"BPF probes off: no kernel headers for BCC ({build} is missing and {HEADERS_FALLBACK} "
-        "does not exist); per-container ioctl/allocation counters are unavailable, NVML "
-        "attribution continues",
-        fix="run `bash deploy/setup.sh install` (merges Debian headers) or set BCC_KERNEL_SOURCE")
+        f"BPF probes off: no kernel headers for BCC (BCC_KERNEL_SOURCE unset, {build}, "
+        f"{host_merged} and {bundled} missing); per-container ioctl/allocation counters are "
+        "unavailable, NVML attribution continues",
+        fix="run the agent image (it carries headers), run `bash deploy/setup.sh install` "
+            "(merges Debian's headers), or set BCC_KERNEL_SOURCE to a kernel header tree")
+
+
+def kernel_headers_env() -> dict[str, str]:
+    """Environment for BCC (BCC_KERNEL_SOURCE set as find_kernel_headers decides)."""
+    return find_kernel_headers().env()
 
 
 def load_programs(request: LoadRequest, timeout_s: float = 120.0) -> LoadedObjects:
     """Compile and load in a child process; return the map/program fds it passed back."""
-    env = kernel_headers_env()
+    headers = find_kernel_headers()
+    env = headers.env()
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     started = time.monotonic()
     try:
@@ -155,15 +228,19 @@ def load_programs(request: LoadRequest, timeout_s: float = 120.0) -> LoadedObjec
         child.close()  # idempotent
     tail = " | ".join(err_text.decode(errors="replace").strip().splitlines()[-12:])
     if not msg:
-        raise ProbesUnavailable(f"BPF probes off: the kernel or BCC refused the programs: {tail}",
+        raise ProbesUnavailable(f"BPF probes off: the kernel or BCC refused the programs "
+                                f"(kernel headers: {headers.describe()}): {tail}",
                                 fix="run `gpuwatch doctor`; check kernel headers and BPF support")
     reply = json.loads(msg.decode())
     if reply.get("error"):
         for fd in fds:
             os.close(fd)
         detail = f" ({tail})" if tail else ""
-        raise ProbesUnavailable(f"BPF probes off: {reply['error']}{detail}", fix=reply.get("fix", ""))
+        raise ProbesUnavailable(f"BPF probes off: {reply['error']}{detail} "
+                                f"[kernel headers: {headers.describe()}]", fix=reply.get("fix", ""))
     objs = LoadedObjects(compile_s=time.monotonic() - started, notes=list(reply.get("notes", [])))
+    log.info("BPF unit %s compiled and loaded in %.2f s against kernel headers %s",
+             request.unit, objs.compile_s, headers.describe())
     for name, idx in reply["maps"].items():
         objs.maps[name] = fds[idx]
     for name, idx in reply["progs"].items():

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuwatch.cli.main import cli
+from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.hostcheck import (
     HostRoots,
     Status,
@@ -18,7 +19,10 @@ from gpuwatch.hostcheck import (
     check_nvml,
     check_root,
     check_tracepoints,
+    kernel_headers,
+    kernel_headers_dir,
 )
+from gpuwatch.probes.bcc_loader import find_kernel_headers
 
 HYBRID_MOUNTINFO = """\
 25 30 0:22 / /sys rw,nosuid shared:7 - sysfs sysfs rw
@@ -67,17 +71,57 @@ def test_nvml_missing_suggests_driver_or_sim(monkeypatch: pytest.MonkeyPatch) ->
     assert "libnvidia-ml.so.1" in c.found and "gpuwatch sim up" in c.fix
 
 
-def test_kernel_headers_prefers_lib_modules_then_fallback(
+def test_kernel_headers_order_env_then_host_then_merged_then_bundled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """BCC_KERNEL_SOURCE, the host's /lib/modules/<release>/build, the host's merged tree
+    (deploy/setup.sh), the image's bundled tree: the first that exists wins, and doctor says which."""
     monkeypatch.delenv("BCC_KERNEL_SOURCE", raising=False)
-    roots = HostRoots(lib_modules=str(tmp_path / "mods"),
-                      kernel_headers_fallback=str(tmp_path / "fallback"))
-    assert check_kernel_headers(roots, "6.18.0").status is Status.WARN
-    (tmp_path / "fallback").mkdir()
-    assert check_kernel_headers(roots, "6.18.0").found == str(tmp_path / "fallback")
-    (tmp_path / "mods" / "6.18.0" / "build").mkdir(parents=True)
-    assert check_kernel_headers(roots, "6.18.0").found.endswith("6.18.0/build")
+    roots = HostRoots(lib_modules=str(tmp_path / "mods"), kernel_headers_fallback=str(tmp_path / "fallback"),
+                      bundled_kernel_headers=str(tmp_path / "bundled"))
+    none = check_kernel_headers(roots, "6.18.0")
+    assert none.status is Status.WARN and "no kernel headers" in none.found and "agent image" in none.fix
+
+    (tmp_path / "bundled" / "include").mkdir(parents=True)
+    (tmp_path / "bundled" / "gpuwatch-headers.txt").write_text("Debian linux-headers-6.1.0-56-amd64 6.1.192-2\n")
+    bundled = check_kernel_headers(roots, "6.18.0")
+    assert bundled.status is Status.OK
+    assert bundled.found == (f"{tmp_path / 'bundled'} (image bundled tree: Debian linux-headers-6.1.0-56-amd64 "
+                             "6.1.192-2; the host has none for 6.18.0)")
+
+    (tmp_path / "6.1.0-56").mkdir()
+    (tmp_path / "fallback").symlink_to(tmp_path / "6.1.0-56")
+    merged = check_kernel_headers(roots, "6.18.0").found
+    assert merged.startswith(f"{tmp_path / '6.1.0-56'} (host merged tree: made by deploy/setup.sh, via "), merged
+
+    (tmp_path / "usr-src").mkdir()
+    (tmp_path / "mods" / "6.18.0").mkdir(parents=True)
+    (tmp_path / "mods" / "6.18.0" / "build").symlink_to(tmp_path / "usr-src" / "linux-headers-6.18.0")
+    assert "host merged tree" in check_kernel_headers(roots, "6.18.0").found, "a dangling build link is skipped"
+    (tmp_path / "usr-src" / "linux-headers-6.18.0").mkdir()
+    assert check_kernel_headers(roots, "6.18.0").found == f"{tmp_path}/mods/6.18.0/build (host /lib/modules)"
+    assert kernel_headers(roots, "6.18.0").env({}) == {}, "BCC finds the host's own tree by itself"
+
+    monkeypatch.setenv("BCC_KERNEL_SOURCE", str(tmp_path / "bundled"))
+    chosen = kernel_headers(roots, "6.18.0")
+    assert chosen.source == "BCC_KERNEL_SOURCE" and chosen.env({}) == {"BCC_KERNEL_SOURCE": str(tmp_path / "bundled")}
+    assert kernel_headers_dir(roots, "6.18.0") == str(tmp_path / "bundled")
+    monkeypatch.setenv("BCC_KERNEL_SOURCE", str(tmp_path / "nowhere"))
+    wrong = check_kernel_headers(roots, "6.18.0")
+    assert wrong.status is Status.WARN and "BCC_KERNEL_SOURCE" in wrong.found and "not a directory" in wrong.found
+    assert kernel_headers_dir(roots, "6.18.0") is None
+
+
+def test_bundled_tree_without_origin_file_still_serves(tmp_path: Path) -> None:
+    (tmp_path / "bundled" / "include").mkdir(parents=True)
+    found = find_kernel_headers("6.18.0", environ={}, lib_modules=tmp_path / "mods",
+                                host_merged=tmp_path / "merged", bundled=tmp_path / "bundled")
+    assert found.source == "image bundled tree" and "origin not recorded" in found.detail
+    assert found.env({"PATH": "/bin"}) == {"PATH": "/bin", "BCC_KERNEL_SOURCE": str(tmp_path / "bundled")}
+    (tmp_path / "empty").mkdir()  # a bundled path without include/ (an empty mount point) is no tree
+    with pytest.raises(ProbesUnavailable, match="no kernel headers for BCC"):
+        find_kernel_headers("6.18.0", environ={}, lib_modules=tmp_path / "mods",
+                            host_merged=tmp_path / "merged", bundled=tmp_path / "empty")
 
 
 def test_btf_and_tracepoints_on_fixture_sys(tmp_path: Path) -> None:
