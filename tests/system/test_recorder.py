@@ -26,7 +26,7 @@ import pytest
 
 from gpuwatch.sim import sim_env
 from gpuwatch.sim.node import driver_env
-from tests.conftest import need_binary
+from tests.conftest import need_binary, need_root
 from tests.system.sim_helpers import GIB, MIB, private_node
 
 CSRC = Path(__file__).resolve().parents[2] / "gpuwatch" / "sim" / "csrc"
@@ -169,6 +169,8 @@ def memory_allocs(events: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str,
     """(index, pAllocParms block) of every RM_ALLOC of video memory (class 0x40)."""
     for i, ev in enumerate(events):
         if ev.get("ev") != "ioctl" or ev["cmd"] & 0xFF != RM_ALLOC_NR or (ev["cmd"] >> 8) & 0xFF != 0x46:
+            continue
+        if not ev["before"]:  # the parameter struct itself was unreadable
             continue
         params = bytes.fromhex(ev["before"])
         if struct.unpack_from("<I", params, 12)[0] == MEMORY_LOCAL_USER and ev["nested"]:
@@ -451,6 +453,38 @@ def check_rm_alloc_by_class(ioctls: list[dict[str, Any]]) -> None:
     (block,) = inner["nested"]
     assert (xfer["cmd"], block["at"], block["size"], alloc_size(block, "before")) == (0xC01046D3, 16, 128, 13 * MIB)
     assert all("params_size_unknown" not in ev for ev in ioctls if ev is not unknown0)
+
+
+def test_memory_params_are_120_bytes_on_driver_535(tmp_path: Path, programs: Programs) -> None:
+    """NV_MEMORY_ALLOCATION_PARAMS is 120 bytes on driver 535 (128 from 550 on): the recorder
+    reads no more than that RM does, by the version in /proc/driver/nvidia/version (a tmpfs
+    over /proc/driver in a mount namespace of the test's own says 535.288.01)."""
+    need_root()
+    need_binary("unshare", "util-linux")
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm"):
+        (devices / name).write_bytes(b"x" * 4096)
+    trace_dir = tmp_path / "traces"
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "GPUWATCH_SIM_STATE")}
+    env = recorder_env(base, programs, trace_dir, f"{devices}/nvidia")
+    script = (
+        "mount --make-rprivate / && mount -t tmpfs none /proc/driver && mkdir /proc/driver/nvidia && "
+        "echo 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  535.288.01  Release Build' "
+        '> /proc/driver/nvidia/version && exec "$0" "$1"'
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, str(programs.calls), str(devices)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    events = next(e for e in map(read_trace, traces_in(trace_dir).values()) if e[-1]["status"] == 3)
+    assert events[0]["driver_version"] == "535.288.01"
+    sizes = [block["size"] for _, block in memory_allocs(events) if not block.get("unreadable")]
+    assert len(sizes) == 4 and set(sizes) == {120}, sizes  # top-level class-0x40 RM_ALLOCs
 
 
 def test_without_a_trace_directory_nothing_is_recorded(tmp_path: Path, programs: Programs) -> None:
