@@ -304,17 +304,24 @@ def _signal_number(text: str) -> int:
 )
 @click.option(
     "--suballoc-mib",
-    default=0,
+    default=2,
     show_default=True,
     type=click.IntRange(0, 1 << 20),
-    help="0: one driver allocation per cuMemAlloc; N: cuMemAllocs up to N MiB carved from N-MiB chunks.",
+    help="N: cuMemAllocs below N MiB carved from N-MiB chunks (2: real CUDA); 0: one driver allocation per cuMemAlloc.",
 )
 @click.option(
     "--context-mib",
-    default=0,
+    default=518,
     show_default=True,
     type=click.IntRange(0, 1 << 20),
-    help="Memory the context allocates for itself (class-0x40 objects of at most 2 MiB).",
+    help="Memory the context allocates for itself as class-0x40 objects (518: a real H100 context; 0: none).",
+)
+@click.option(
+    "--rm-params-size",
+    type=click.Choice(["zero", "class"]),
+    default="zero",
+    show_default=True,
+    help="RM_ALLOC paramsSize: zero (real libcuda: RM sizes the parameters by class) or the class's size.",
 )
 @click.option("--managed", is_flag=True, help="Allocate with cuMemAllocManaged (nvidia-uvm) instead of cuMemAlloc.")
 def run_cmd(
@@ -340,6 +347,7 @@ def run_cmd(
     alloc_path: str,
     suballoc_mib: int,
     context_mib: int,
+    rm_params_size: str,
     managed: bool,
 ) -> None:
     """Run a GPU workload on the simulated node in this process.
@@ -353,9 +361,9 @@ def run_cmd(
     With --progress-curve it evaluates a loss-like function of the work done, writes it
     to --progress-file and prints "evaluation <value> <work done s>" once a second.
 
-    --alloc-path, --suballoc-mib and --context-mib choose the driver traffic the stub
-    libcuda issues (and so what NVML counts: the driver's objects at their rounded sizes);
-    see gpuwatch/sim/README.md "Driver traffic".
+    --alloc-path, --suballoc-mib, --context-mib and --rm-params-size choose the driver
+    traffic the stub libcuda issues (and so what NVML counts: the driver's objects at their
+    rounded sizes); the defaults are real CUDA's, see gpuwatch/sim/README.md "Driver traffic".
     """
     from gpuwatch.sim import node as simnode
     from gpuwatch.sim import workload
@@ -371,7 +379,11 @@ def run_cmd(
         raise click.ClickException("sim is not up: run `gpuwatch sim up`")
     if "GPUWATCH_SIM_LIBCUDA" not in os.environ:
         os.environ["GPUWATCH_SIM_LIBCUDA"] = str(simnode.get_node(name).libraries.cuda_path)
-    os.environ.update(simnode.driver_env(alloc_path=alloc_path, suballoc_mib=suballoc_mib, context_mib=context_mib))
+    os.environ.update(
+        simnode.driver_env(
+            alloc_path=alloc_path, suballoc_mib=suballoc_mib, context_mib=context_mib, rm_params_size=rm_params_size
+        )
+    )
     model = None
     if progress_curve is not None:
         model = workload.ProgressModel(

@@ -44,6 +44,12 @@ _ZERO_MAJOR_MINOR = (1, 5)  # /dev/zero for nvidia-uvm: ioctls fail harmlessly, 
 ALLOC_PATHS = ("rm-alloc", "vid-heap")  # how the stub creates memory objects
 CTX_TEARDOWNS = ("free-device", "free-client", "close-fd")  # how a process's last cuCtxDestroy ends its client
 MAX_DRIVER_MIB = 1 << 20  # the stub's bound on --suballoc-mib / --context-mib
+RM_PARAMS_SIZES = ("zero", "class")  # what RM_ALLOC says in paramsSize: 0 (real libcuda 580) or the class's size
+# The defaults follow real CUDA (H100, driver 580.159.04, CUDA 13.0; gpuwatch/sim/README.md
+# "Driver traffic", tests/system/test_sim_real_shape.py): NVML counts 518 MiB per process after
+# cuCtxCreate, and a cuMemAlloc below 2 MiB is carved from a 2 MiB memory object.
+DEFAULT_CONTEXT_MIB = 518
+DEFAULT_SUBALLOC_MIB = 2
 _NOT_UP_FIX = "run `gpuwatch sim up`"
 
 
@@ -109,11 +115,11 @@ class SimProcess:
     busy_seconds_total: float
     kernel_launches: int
     engine_wait_seconds_total: float = 0.0  # time its launches waited for the GPU's engine
-    # the parts of memory_bytes (RM's rule: rm_memory_bytes + managed_bytes)
+    # what memory_bytes is made of (RM's rule: memory_bytes == rm_memory_bytes), and more
     rm_memory_bytes: int = 0  # live class-0x40 memory objects at their rounded sizes
     rm_objects: int = 0  # how many
     context_bytes: int = 0  # of rm_memory_bytes: the contexts' own memory
-    managed_bytes: int = 0  # resident managed memory (nvidia-uvm, no RM object)
+    managed_bytes: int = 0  # mapped managed memory (nvidia-uvm, no RM object; NVML leaves it out)
     requested_bytes: int = 0  # what the live cuMemAlloc* calls asked for
 
 
@@ -603,21 +609,30 @@ def sim_env(node: SimNode, base: dict[str, str] | None = None) -> dict[str, str]
 
 def driver_env(
     alloc_path: str = "rm-alloc",
-    suballoc_mib: int = 0,
-    context_mib: int = 0,
+    suballoc_mib: int = DEFAULT_SUBALLOC_MIB,
+    context_mib: int = DEFAULT_CONTEXT_MIB,
     ctx_teardown: str | None = None,
+    rm_params_size: str = "zero",
 ) -> dict[str, str]:
     """Environment that tells the stub libcuda how a process talks to the driver.
 
-    `alloc_path`: memory objects through RM_ALLOC (class 0x40) or VID_HEAP_CONTROL
-    (ALLOC_SIZE / FREE). `suballoc_mib`: 0 = one driver allocation per cuMemAlloc; N =
-    cuMemAllocs of at most N MiB are carved from N-MiB chunks (freed when empty).
-    `context_mib`: memory each context allocates for itself (objects of at most 2 MiB).
+    The defaults are what real CUDA does (README "Driver traffic"). `alloc_path`: memory
+    objects through RM_ALLOC (class 0x40) or VID_HEAP_CONTROL (ALLOC_SIZE / FREE).
+    `suballoc_mib`: N (default 2) = cuMemAllocs below N MiB are carved from N-MiB chunks
+    (freed when empty); 0 = one driver allocation per cuMemAlloc. `context_mib`: memory
+    each context allocates for itself (default 518, the H100's; 0 = none), as the recorded
+    context's objects (6 MiB, fourteen of 2 MiB, 70 MiB, the rest in one).
     `ctx_teardown`: what the process's last cuCtxDestroy does to its RM client: free the
-    device (the client stays), RM_FREE the client, or close nvidiactl (README "Driver
-    traffic"); None leaves the stub's default (free-device) or the caller's setting."""
+    device (the client stays), RM_FREE the client, or close nvidiactl; None leaves the
+    stub's default (free-device) or the caller's setting. `rm_params_size`: what RM_ALLOC
+    says in paramsSize: "zero" (real libcuda 580: RM sizes the parameters by class) or
+    "class" (the size of the class's parameters)."""
     if alloc_path not in ALLOC_PATHS:
         raise SimError(f"unknown allocation path {alloc_path!r}", fix=f"use one of {', '.join(ALLOC_PATHS)}")
+    if rm_params_size not in RM_PARAMS_SIZES:
+        raise SimError(
+            f"unknown RM_ALLOC paramsSize rule {rm_params_size!r}", fix=f"use one of {', '.join(RM_PARAMS_SIZES)}"
+        )
     if ctx_teardown is not None and ctx_teardown not in CTX_TEARDOWNS:
         raise SimError(f"unknown context teardown {ctx_teardown!r}", fix=f"use one of {', '.join(CTX_TEARDOWNS)}")
     for what, mib in (("--suballoc-mib", suballoc_mib), ("--context-mib", context_mib)):
@@ -627,6 +642,7 @@ def driver_env(
         "GPUWATCH_SIM_ALLOC_PATH": alloc_path,
         "GPUWATCH_SIM_SUBALLOC_MIB": str(suballoc_mib),
         "GPUWATCH_SIM_CONTEXT_MIB": str(context_mib),
+        "GPUWATCH_SIM_RM_PARAMS_SIZE": rm_params_size,
     }
     if ctx_teardown is not None:
         env["GPUWATCH_SIM_CTX_TEARDOWN"] = ctx_teardown

@@ -10,11 +10,29 @@
  *   - it issues the driver traffic the real NVIDIA driver sees (see "driver model" below
  *     and ../README.md "Driver traffic"): CARD_INFO at cuInit, the RM client, device,
  *     subdevice, VA space and context memory at context creation, memory objects through
- *     RM_ALLOC or VID_HEAP_CONTROL (one per cuMemAlloc or carved from chunks), managed
- *     memory through nvidia-uvm, frees by handle, by parent and by closing nvidiactl.
- *     The nodes are /dev/null (nvidiactl, nvidia<N>) and /dev/zero (nvidia-uvm), so the
- *     ioctls reach the kernel and fail harmlessly with ENOTTY; the stub writes the
- *     driver's answer into the parameters before the syscall (see "driver model");
+ *     RM_ALLOC or VID_HEAP_CONTROL (one per cuMemAlloc or carved from chunks), stream-
+ *     ordered pools (cuMemAllocAsync, cuMemPool*) and VMM (cuMemCreate/Map/Release),
+ *     managed memory through nvidia-uvm, frees by handle, by parent and by closing
+ *     nvidiactl. The nodes are /dev/null (nvidiactl, nvidia<N>) and /dev/zero
+ *     (nvidia-uvm), so the ioctls reach the kernel and fail harmlessly with ENOTTY; the
+ *     stub writes the driver's answer into the parameters before the syscall;
+ *   - BY DEFAULT IT SPEAKS LIKE REAL CUDA, as recorded on an H100 (driver 580.159.04,
+ *     CUDA 13.0; tests/fixtures/traces/real/, ../../shared/real-gpu/README.md section 1,
+ *     compared checkpoint by checkpoint in tests/system/test_sim_real_shape.py):
+ *       every RM_ALLOC is NVOS64 with paramsSize 0 (RM sizes the parameters by class);
+ *       a context allocates 518 MiB of class-0x40 objects (NVML per-process after the
+ *         first context, and after a second one), as the recorded context's 17 objects:
+ *         6 MiB, fourteen of 2 MiB, 70 MiB and 414 MiB (each size is the nvidia-uvm
+ *         external range created right after its RM_ALLOC; they add up to NVML's 518);
+ *       a cuMemAlloc below 2 MiB is carved from a 2 MiB object (1 KiB then 1 MiB: one
+ *         RM_ALLOC, NVML +2 MiB), 2 MiB and above get an object each;
+ *       managed memory is nvidia-uvm only and NVML's per-process number leaves it out;
+ *       pools: the first pool allocation of a process on a GPU adds a class-0x3E object,
+ *         pool memory comes in 32 MiB class-0x40 objects kept until the pool is trimmed
+ *         (a synchronize trims to the release threshold, 0), destroyed or the device goes;
+ *       cuMemCreate allocates its class-0x40 object at creation (mapping is UVM's).
+ *     What the sim does not issue: the context's other objects (channels, copy engines,
+ *     system memory, 97 RM_ALLOCs on a real H100), RM_CONTROLs and the UVM range traffic.
  *   - kernel launches burn CPU for the duration the caller asks for and credit the
  *     thread's runnable time (CPU time + run-queue wait) as busy time of (process,
  *     device). A frozen or stopped process is not runnable, so it accrues no busy time.
@@ -34,9 +52,13 @@
  *
  * Per-process configuration (environment, read at cuInit; `gpuwatch sim run` sets it):
  *   GPUWATCH_SIM_ALLOC_PATH     rm-alloc (default) | vid-heap
- *   GPUWATCH_SIM_SUBALLOC_MIB   0 (default): one driver allocation per cuMemAlloc;
- *                               N: cuMemAllocs of <= N MiB are carved from N-MiB chunks
- *   GPUWATCH_SIM_CONTEXT_MIB    memory a context allocates for itself (default 0)
+ *   GPUWATCH_SIM_SUBALLOC_MIB   2 (default, as real CUDA): cuMemAllocs below N MiB are
+ *                               carved from N-MiB chunks; 0: one driver allocation per
+ *                               cuMemAlloc
+ *   GPUWATCH_SIM_CONTEXT_MIB    memory a context allocates for itself (default 518, the
+ *                               H100's; 0: none)
+ *   GPUWATCH_SIM_RM_PARAMS_SIZE zero (default, as real libcuda 580): RM_ALLOC paramsSize 0;
+ *                               class: sizeof the class's parameters (older stub, NVOS21)
  *   GPUWATCH_SIM_CTX_TEARDOWN   how the last cuCtxDestroy of a process ends its client:
  *                               free-device (default) | free-client | close-fd
  * An invalid value makes cuInit fail with CUDA_ERROR_INVALID_VALUE (and a line on stderr).
@@ -296,36 +318,46 @@ struct sim_ctx {
 };
 
 /* what a cuMemAlloc* pointer stands for */
-enum { REC_DIRECT = 0, REC_CARVED = 1, REC_MANAGED = 2 };
+enum { REC_DIRECT = 0, REC_CARVED = 1, REC_MANAGED = 2, REC_POOL = 3 };
 
 struct alloc_rec {
     CUdeviceptr ptr;   /* 0 = empty, 1 = tombstone */
     uint64_t size;     /* what the program asked for */
-    uint64_t charged;  /* REC_CARVED: bytes carved from the chunk; REC_MANAGED: mapped length */
-    uint32_t handle;   /* RM memory object: its own (REC_DIRECT) or its chunk (REC_CARVED) */
+    uint64_t charged;  /* REC_CARVED, REC_POOL: bytes carved from the object; REC_MANAGED: mapped length */
+    uint32_t handle;   /* RM memory object: its own (REC_DIRECT) or the one it is carved from */
     int phys;
     int kind;          /* REC_* */
 };
 
 /* A class-0x40 memory object RM holds for this process (the driver's view). */
-enum { MEM_CONTEXT = 1, MEM_DIRECT = 2, MEM_CHUNK = 3 };
+enum { MEM_CONTEXT = 1, MEM_DIRECT = 2, MEM_CHUNK = 3, MEM_POOL = 4, MEM_VMM = 5 };
+
+struct sim_pool; /* a CUmemoryPool (below) */
 
 struct rm_mem {
     uint32_t handle;
     int phys;
     int kind;          /* MEM_* */
     uint64_t size;     /* the rounded size RM wrote back */
-    uint64_t carved;   /* MEM_CHUNK: bytes of live cuMemAllocs carved from it */
-    uint32_t users;    /* MEM_CHUNK: live cuMemAllocs in it */
+    uint64_t carved;   /* MEM_CHUNK, MEM_POOL: bytes of live allocations carved from it */
+    uint32_t users;    /* MEM_CHUNK, MEM_POOL: live allocations in it; MEM_VMM: mappings */
+    struct sim_pool *pool; /* MEM_POOL: the pool that holds it */
+    int released;      /* MEM_VMM: cuMemRelease was called (freed when the last mapping goes) */
 };
 
 enum { PATH_RM_ALLOC = 0, PATH_VID_HEAP = 1 };
 enum { TEARDOWN_FREE_DEVICE = 0, TEARDOWN_FREE_CLIENT = 1, TEARDOWN_CLOSE_FD = 2 };
+enum { PARAMS_SIZE_ZERO = 0, PARAMS_SIZE_CLASS = 1 };
+
+/* The defaults are what real CUDA does (the H100 recording; top of this file). */
+#define DEFAULT_SUBALLOC_MIB 2ULL  /* a cuMemAlloc below 2 MiB is carved from a 2 MiB object */
+#define DEFAULT_CONTEXT_MIB 518ULL /* NVML per-process after cuCtxCreate on the H100 */
 
 static struct {
     int alloc_path;           /* PATH_* */
     uint64_t suballoc_bytes;  /* 0: one driver allocation per cuMemAlloc */
     uint64_t context_bytes;   /* a context's own memory */
+    int params_size;          /* PARAMS_SIZE_*: what RM_ALLOC says in paramsSize */
     int teardown;             /* TEARDOWN_* */
 } g_cfg;
 
@@ -352,6 +384,13 @@ static __thread struct sim_ctx *t_ctx;
 /* threads of one process take turns on a device's engine (one context per process) */
 static pthread_mutex_t g_launch_lock[SIM_MAX_DEVICES];
 static int g_client_allocated;      /* the RM client exists (on g_ctl_fd) */
+static uint32_t g_pool_sysmem;      /* devices whose pool system-memory object (0x3E) exists */
+struct vmm_map {                    /* a cuMemMap: which VMM object is mapped at va */
+    CUdeviceptr va;
+    uint32_t handle;
+};
+static struct vmm_map *g_maps;
+static size_t g_map_count, g_map_cap;
 static uint32_t g_devices_allocated; /* devices whose NV01_DEVICE_0 (and children) exist */
 static int g_ctx_count[SIM_MAX_DEVICES]; /* live contexts per device */
 
@@ -369,6 +408,9 @@ static void atfork_child(void)
     g_alloc_cap = g_alloc_used = 0;
     g_mem = NULL;
     g_mem_count = g_mem_cap = 0;
+    g_pool_sysmem = 0;
+    g_maps = NULL;
+    g_map_count = g_map_cap = 0;
     memset(g_ctx_count, 0, sizeof(g_ctx_count));
     pthread_mutex_init(&g_lock, NULL);
     for (int i = 0; i < SIM_MAX_DEVICES; i++)
@@ -385,6 +427,8 @@ static void atfork_child(void)
 static int parse_config(void)
 {
     memset(&g_cfg, 0, sizeof(g_cfg));
+    g_cfg.suballoc_bytes = DEFAULT_SUBALLOC_MIB << 20;
+    g_cfg.context_bytes = DEFAULT_CONTEXT_MIB << 20;
     const char *path = getenv("GPUWATCH_SIM_ALLOC_PATH");
     if (path && *path) {
         if (strcmp(path, "rm-alloc") == 0)
@@ -410,6 +454,17 @@ static int parse_config(void)
             return -1;
         }
         *mib_out[i] = (uint64_t)mib << 20;
+    }
+    const char *ps = getenv("GPUWATCH_SIM_RM_PARAMS_SIZE");
+    if (ps && *ps) {
+        if (strcmp(ps, "zero") == 0)
+            g_cfg.params_size = PARAMS_SIZE_ZERO;
+        else if (strcmp(ps, "class") == 0)
+            g_cfg.params_size = PARAMS_SIZE_CLASS;
+        else {
+            fprintf(stderr, "gpuwatch-sim libcuda: GPUWATCH_SIM_RM_PARAMS_SIZE=%s: use zero or class\n", ps);
+            return -1;
+        }
     }
     const char *td = getenv("GPUWATCH_SIM_CTX_TEARDOWN");
     if (td && *td) {
@@ -704,15 +759,26 @@ API CUresult cuCtxGetDevice(CUdevice *d)
     return CUDA_SUCCESS;
 }
 
+static void pools_synchronized(int phys);
+
+/* A synchronize trims the device's pools to their release threshold (default 0), as the
+ * real driver does: on the H100, cuMemFreeAsync + cuStreamSynchronize freed the pool's
+ * memory object. */
 API CUresult cuCtxSynchronize(void)
 {
-    return t_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    if (!t_ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pools_synchronized(t_ctx->phys);
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuStreamSynchronize(CUstream s)
 {
     (void)s;
-    return t_ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    if (!t_ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pools_synchronized(t_ctx->phys);
+    return CUDA_SUCCESS;
 }
 
 /* ---- allocation records (process-local open addressing) ---- */
@@ -793,14 +859,23 @@ static int allocs_take(CUdeviceptr ptr, struct alloc_rec *out)
  *
  * Sizes (RM's page sizes): an object of 2 MiB or more is rounded up to a multiple of
  * 2 MiB, a smaller one to a multiple of 64 KiB. NVML's per-process used memory is the
- * sum of the process's live memory objects at those sizes (context memory included;
- * chunks, not the cuMemAllocs carved from them) plus its resident managed memory.
+ * sum of the process's live class-0x40 memory objects at those sizes (context memory,
+ * chunks -- not the cuMemAllocs carved from them --, pool and VMM objects); managed memory
+ * is not in it (the H100 recording: a 64 MiB managed range left NVML's number unchanged).
  */
 #define RM_BIG_PAGE_BYTES (2ULL << 20)
 #define RM_SMALL_PAGE_BYTES (64ULL << 10)
 #define UVM_CHUNK_BYTES (2ULL << 20)    /* managed memory is resident in 2 MiB chunks */
 #define CARVE_ALIGN_BYTES 512ULL        /* cuMemAlloc alignment inside a chunk */
-#define CONTEXT_OBJECT_MAX_BYTES (2ULL << 20) /* context memory: objects of at most 2 MiB */
+#define POOL_CHUNK_BYTES (32ULL << 20)  /* a pool reserves memory in 32 MiB objects (H100: 16 MiB -> +32) */
+#define VMM_GRANULARITY_BYTES (2ULL << 20) /* cuMemGetAllocationGranularity on the H100 */
+
+/* The recorded H100 context's class-0x40 objects in MiB, in order (RM_ALLOCs between
+ * cuCtxCreate and its return in tests/fixtures/traces/real/580.159.04-nvidia-h100-80gb-hbm3/
+ * cuda_exercise.jsonl; each size is the nvidia-uvm UVM_CREATE_EXTERNAL_RANGE issued right
+ * after it): 6, fourteen of 2, 70, then 414 -- the rest of the 518 MiB, which is the last
+ * object here whatever the context size. */
+static const uint64_t k_context_objects_mib[] = {6, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 70};
 
 static uint64_t round_up(uint64_t v, uint64_t to)
 {
@@ -828,12 +903,16 @@ static uint32_t vaspace_handle(int phys)
 }
 
 /* one RM_ALLOC ioctl on nvidiactl in the node's parameter layout (NVOS64 or NVOS21),
- * with RM's `status` already written */
+ * with RM's `status` already written. `params_size` is the size of the class's parameters;
+ * paramsSize says it only with GPUWATCH_SIM_RM_PARAMS_SIZE=class: real libcuda (580, CUDA 13)
+ * sends 0 on every RM_ALLOC and RM sizes pAllocParms by the class. */
 static void rm_alloc(uint32_t h_root, uint32_t h_parent, uint32_t h_new, uint32_t h_class, void *params,
                      uint32_t params_size, uint32_t status)
 {
     if (g_ctl_fd < 0)
         return;
+    if (g_cfg.params_size == PARAMS_SIZE_ZERO)
+        params_size = 0;
     if (g_sim.hdr->rm_alloc_params == SIM_RMALLOC_NVOS21) {
         NVOS21_PARAMETERS p;
         memset(&p, 0, sizeof(p));
@@ -998,8 +1077,7 @@ static int ledger_apply(int phys, const struct ledger_delta *d, int check_room)
         return -2;
     }
     if (check_room) {
-        uint64_t grow = (uint64_t)(d->rm_bytes > 0 ? d->rm_bytes : 0) +
-                        (uint64_t)(d->managed_bytes > 0 ? d->managed_bytes : 0);
+        uint64_t grow = (uint64_t)(d->rm_bytes > 0 ? d->rm_bytes : 0); /* managed memory oversubscribes */
         uint64_t total = g_sim.hdr->devices[phys].memory_total_bytes;
         /* Every slot in use counted, dead or alive, is an upper bound on the live sum: when it
          * fits, the allocation fits, and /proc/locks (whose cost grows with every lock on the
@@ -1019,7 +1097,7 @@ static int ledger_apply(int phys, const struct ledger_delta *d, int check_room)
     p->managed_bytes[phys] += (uint64_t)d->managed_bytes;
     p->requested_bytes[phys] += (uint64_t)d->requested_bytes;
     p->allocations[phys] += (uint64_t)d->allocations;
-    p->memory_bytes[phys] = p->rm_memory_bytes[phys] + p->managed_bytes[phys];
+    p->memory_bytes[phys] = p->rm_memory_bytes[phys]; /* NVML: RM's objects, never managed memory */
     sim_unlock(&g_sim);
     return 0;
 }
@@ -1117,10 +1195,27 @@ static void open_nodes(int phys)
     }
 }
 
+/* The size of the next context object when `left` bytes of context memory remain to be
+ * allocated and `index` objects were: the recorded pieces in order, the rest in one object.
+ * A piece is capped at what is left and kept a multiple of 2 MiB (so RM's rounding adds
+ * nothing: the objects add up to exactly GPUWATCH_SIM_CONTEXT_MIB); an odd last MiB is a
+ * 1 MiB object. */
+static uint64_t context_piece(size_t index, uint64_t left)
+{
+    size_t n = sizeof(k_context_objects_mib) / sizeof(k_context_objects_mib[0]);
+    uint64_t piece = index < n ? k_context_objects_mib[index] << 20 : left;
+    if (piece > left)
+        piece = left;
+    if (piece >= RM_BIG_PAGE_BYTES)
+        piece -= piece % RM_BIG_PAGE_BYTES;
+    return piece;
+}
+
 /* What a context creation asks the driver for on a device the process has no objects on
  * yet: the device instance of its gpu_id (GET_ID_INFO_V2), NV01_DEVICE_0 (deviceId = that
  * instance), NV20_SUBDEVICE_0 and a FERMI_VASPACE_A under it, then the context's own
- * memory (GPUWATCH_SIM_CONTEXT_MIB, as objects of at most 2 MiB). g_lock held. */
+ * memory (GPUWATCH_SIM_CONTEXT_MIB, default 518, as the recorded context's objects:
+ * context_piece). g_lock held. */
 static CUresult device_setup_locked(int phys)
 {
     ensure_client_locked();
@@ -1145,8 +1240,9 @@ static CUresult device_setup_locked(int phys)
     memset(&vp, 0, sizeof(vp));
     rm_alloc(g_hroot, device_handle(phys), vaspace_handle(phys), FERMI_VASPACE_A, &vp, sizeof(vp), NV_OK);
     g_devices_allocated |= 1u << phys;
-    for (uint64_t left = g_cfg.context_bytes; left > 0;) {
-        uint64_t piece = left < CONTEXT_OBJECT_MAX_BYTES ? left : CONTEXT_OBJECT_MAX_BYTES;
+    size_t index = 0;
+    for (uint64_t left = g_cfg.context_bytes; left > 0; index++) {
+        uint64_t piece = context_piece(index, left);
         CUresult err = CUDA_SUCCESS;
         if (!mem_create(phys, MEM_CONTEXT, piece, NULL, &err))
             return err;
@@ -1182,9 +1278,12 @@ static void device_forget_locked(int phys)
         d.rm_objects -= 1;
         if (m->kind == MEM_CONTEXT)
             d.context_bytes -= (int64_t)m->size;
+        if (m->kind == MEM_VMM)
+            d.requested_bytes -= (int64_t)m->size; /* a VMM object is its own request until freed */
         mem_remove(m);
     }
     g_devices_allocated &= ~(1u << phys);
+    g_pool_sysmem &= ~(1u << phys); /* the pool's system memory went with the device */
     ledger_apply(phys, &d, 0);
     if (g_slot >= 0)
         __atomic_fetch_and(&g_sim.hdr->procs[g_slot].context_mask, ~(1u << phys), __ATOMIC_RELAXED);
@@ -1298,9 +1397,9 @@ static CUdeviceptr next_fake_va(uint64_t bytes)
     return p;
 }
 
-/* cuMemAlloc through the driver: its own memory object, or carved from a chunk
- * (GPUWATCH_SIM_SUBALLOC_MIB; a chunk is allocated when none has room, freed when empty;
- * a counting allocator: no fragmentation is modelled). g_lock held. */
+/* cuMemAlloc through the driver: its own memory object, or carved from a chunk when below
+ * GPUWATCH_SIM_SUBALLOC_MIB (default 2, as real CUDA; a chunk is allocated when none has
+ * room, freed when empty; a counting allocator: no fragmentation is modelled). g_lock held. */
 static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *rec)
 {
     CUresult err = CUDA_SUCCESS;
@@ -1309,7 +1408,7 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
     struct ledger_delta mine = {0}; /* the cuMemAlloc's own counts */
     mine.requested_bytes = (int64_t)bytes;
     mine.allocations = 1;
-    if (g_cfg.suballoc_bytes && bytes <= g_cfg.suballoc_bytes) {
+    if (g_cfg.suballoc_bytes && bytes < g_cfg.suballoc_bytes) {
         uint64_t carve = round_up(bytes, CARVE_ALIGN_BYTES);
         struct rm_mem *chunk = NULL;
         for (size_t i = 0; i < g_mem_count && !chunk; i++)
@@ -1341,9 +1440,10 @@ static CUresult alloc_driver_locked(int phys, uint64_t bytes, struct alloc_rec *
 }
 
 /* cuMemAllocManaged: no RM object. nvidia-uvm is initialised once (UVM_INITIALIZE) and
- * the range is an mmap of the uvm fd; its pages are resident on the device, all of them
- * from the allocation on (rounded up to UVM's 2 MiB chunks; no migration or eviction is
- * modelled, so a range that does not fit fails with CUDA_ERROR_OUT_OF_MEMORY). g_lock held. */
+ * the range is an mmap of the uvm fd. NVML's per-process number does not count it (the
+ * H100 recording: 518 MiB before, with and after a 64 MiB managed range) and the device's
+ * room is not checked (managed memory oversubscribes); the ledger keeps its length, in
+ * UVM's 2 MiB chunks, as managed_bytes (diagnostics). g_lock held. */
 static CUresult alloc_managed_locked(int phys, uint64_t bytes, struct alloc_rec *rec)
 {
     if (g_uvm_fd < 0)
@@ -1416,11 +1516,8 @@ API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int fla
     return do_alloc(dptr, bytes, 1);
 }
 
-API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
-{
-    (void)s;
-    return do_alloc(dptr, bytes, 0);
-}
+
+static int pool_destroyed(const struct rm_mem *m);
 
 API CUresult cuMemFree_v2(CUdeviceptr ptr)
 {
@@ -1439,11 +1536,14 @@ API CUresult cuMemFree_v2(CUdeviceptr ptr)
     if (rec.kind == REC_MANAGED) {
         munmap((void *)(uintptr_t)rec.ptr, rec.charged);
         d.managed_bytes = -(int64_t)rec.charged;
-    } else if (m && rec.kind == REC_CARVED) {
+    } else if (m && (rec.kind == REC_CARVED || rec.kind == REC_POOL)) {
         m->carved -= rec.charged;
         m->users--;
     }
-    if (m && (rec.kind == REC_DIRECT || m->users == 0))
+    /* a pool keeps its memory until it is trimmed (a synchronize, cuMemPoolTrimTo) or
+     * destroyed; a chunk goes with its last user */
+    int keep = rec.kind == REC_POOL && !pool_destroyed(m);
+    if (m && !keep && (rec.kind == REC_DIRECT || m->users == 0))
         mem_destroy(m, &d); /* the object and this cuMemFree's counts in one step */
     else
         ledger_apply(rec.phys, &d, 0);
@@ -1454,7 +1554,436 @@ API CUresult cuMemFree_v2(CUdeviceptr ptr)
 API CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream s)
 {
     (void)s;
-    return cuMemFree_v2(ptr);
+    return cuMemFree_v2(ptr); /* a pool allocation goes back to its pool */
+}
+
+/* ---- stream-ordered pools (cuMemAllocAsync, cuMemPool*) ----
+ *
+ * As recorded on the H100: the default pool's first 32 MiB allocation issued RM_ALLOC of a
+ * class-0x3E object (system memory, never in NVML's number) and of a class-0x40 one (NVML
+ * +32 MiB); cuMemFreeAsync + cuStreamSynchronize freed the 0x40 object (the pool's release
+ * threshold is 0); a created pool's 16 MiB allocation issued one RM_ALLOC 0x40 (NVML
+ * +32 MiB: pools reserve 32 MiB objects) and cuMemPoolDestroy freed it. So: the first pool
+ * allocation of a process on a GPU adds one 0x3E object (it goes with the device); pool
+ * allocations of up to 32 MiB are carved from 32 MiB 0x40 objects, larger ones get an
+ * object of their own (RM's rounding); freed allocations stay in the pool until a
+ * synchronize trims it to its release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+ * default 0), cuMemPoolTrimTo, or cuMemPoolDestroy. Freeing an object is an RM_FREE. */
+
+#define NV01_MEMORY_SYSTEM 0x3E
+#define NVOS32_ATTR_LOCATION_PCI 1u /* attr bits 26:25: system memory */
+#define POOL_SYSMEM_BYTES (2ULL << 20)
+enum { CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+       CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7 };
+enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ALLOCATION_TYPE_PINNED = 1 };
+
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int allocType;             /* CU_MEM_ALLOCATION_TYPE_PINNED */
+    int handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    unsigned char rest[64];    /* maxSize, usage, reserved */
+} CUmemPoolProps;              /* 88 B */
+
+typedef struct {
+    int type;                  /* CU_MEM_ALLOCATION_TYPE_PINNED */
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    unsigned char allocFlags[8];
+} CUmemAllocationProp;         /* 32 B */
+
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes");
+
+struct sim_pool {
+    int phys;
+    int is_default;
+    int destroyed;
+    uint64_t release_threshold;
+};
+typedef struct sim_pool *CUmemoryPool;
+
+static struct sim_pool g_default_pool[SIM_MAX_DEVICES];
+
+static int pool_destroyed(const struct rm_mem *m)
+{
+    return m && m->pool && m->pool->destroyed;
+}
+
+static uint64_t pool_bytes(const struct sim_pool *pool, int used)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; i < g_mem_count; i++)
+        if (g_mem[i].kind == MEM_POOL && g_mem[i].pool == pool)
+            n += used ? g_mem[i].carved : g_mem[i].size;
+    return n;
+}
+
+/* Free the pool's unused objects while it holds more than `keep` bytes. g_lock held. */
+static void pool_trim_locked(struct sim_pool *pool, uint64_t keep)
+{
+    uint64_t reserved = pool_bytes(pool, 0);
+    for (size_t i = 0; i < g_mem_count && reserved > keep;) {
+        struct rm_mem *m = &g_mem[i];
+        if (m->kind == MEM_POOL && m->pool == pool && m->users == 0) {
+            reserved -= m->size;
+            mem_destroy(m, NULL); /* moves the last object to i */
+            continue;
+        }
+        i++;
+    }
+}
+
+static void pools_synchronized(int phys)
+{
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_mem_count;) {
+        struct rm_mem *m = &g_mem[i];
+        if (m->kind == MEM_POOL && m->phys == phys && m->users == 0 &&
+            pool_bytes(m->pool, 0) > m->pool->release_threshold) {
+            mem_destroy(m, NULL);
+            continue;
+        }
+        i++;
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* the class-0x3E object of a process's first pool allocation on `phys` (not charged: system
+ * memory; it goes with the device). g_lock held. */
+static void pool_sysmem_locked(int phys)
+{
+    if (g_pool_sysmem & (1u << phys))
+        return;
+    NV_MEMORY_ALLOCATION_PARAMS mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.owner = g_hroot;
+    mp.type = NVOS32_TYPE_IMAGE;
+    mp.attr = NVOS32_ATTR_LOCATION_PCI << 25;
+    mp.size = POOL_SYSMEM_BYTES;
+    mp.limit = POOL_SYSMEM_BYTES - 1;
+    rm_alloc(g_hroot, device_handle(phys), g_next_handle++, NV01_MEMORY_SYSTEM, &mp, sizeof(mp), NV_OK);
+    g_pool_sysmem |= 1u << phys;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct sim_pool *pool)
+{
+    if (!dptr || bytes == 0 || !pool || pool->destroyed)
+        return CUDA_ERROR_INVALID_VALUE;
+    int phys = pool->phys;
+    if (g_sim.hdr->devices[phys].lost)
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    pthread_mutex_lock(&g_lock);
+    if (ensure_slot() < 0 || !(g_devices_allocated & (1u << phys))) {
+        pthread_mutex_unlock(&g_lock);
+        return g_slot < 0 ? CUDA_ERROR_UNKNOWN : CUDA_ERROR_INVALID_CONTEXT;
+    }
+    pool_sysmem_locked(phys);
+    struct ledger_delta mine = {0};
+    mine.requested_bytes = (int64_t)bytes;
+    mine.allocations = 1;
+    uint64_t carve = round_up(bytes, CARVE_ALIGN_BYTES);
+    struct rm_mem *obj = NULL;
+    for (size_t i = 0; i < g_mem_count && !obj; i++)
+        if (g_mem[i].kind == MEM_POOL && g_mem[i].pool == pool && g_mem[i].size - g_mem[i].carved >= carve)
+            obj = &g_mem[i];
+    CUresult err = CUDA_SUCCESS;
+    if (!obj) {
+        uint64_t size = bytes <= POOL_CHUNK_BYTES ? POOL_CHUNK_BYTES : bytes;
+        uint32_t h = mem_create(phys, MEM_POOL, size, &mine, &err);
+        if (!h) {
+            pthread_mutex_unlock(&g_lock);
+            return err;
+        }
+        obj = mem_find(h);
+        obj->pool = pool;
+    } else {
+        ledger_apply(phys, &mine, 0);
+    }
+    obj->carved += carve;
+    obj->users++;
+    struct alloc_rec rec;
+    memset(&rec, 0, sizeof(rec));
+    rec.ptr = next_fake_va(bytes);
+    rec.size = bytes;
+    rec.charged = carve;
+    rec.handle = obj->handle;
+    rec.phys = phys;
+    rec.kind = REC_POOL;
+    if (allocs_put(rec) < 0) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_unlock(&g_lock);
+    *dptr = rec.ptr;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+{
+    CUresult r = ensure_init();
+    if (r)
+        return r;
+    int p = phys_of(d);
+    if (p < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!pool)
+        return CUDA_ERROR_INVALID_VALUE;
+    g_default_pool[p].phys = p;
+    g_default_pool[p].is_default = 1;
+    *pool = &g_default_pool[p];
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    CUresult r = ensure_init();
+    if (r)
+        return r;
+    if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    int p = phys_of(props->location.id);
+    if (p < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct sim_pool *np = calloc(1, sizeof(*np));
+    if (!np)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    np->phys = p;
+    *pool = np;
+    return CUDA_SUCCESS;
+}
+
+/* Frees the pool's unused memory at once; objects still in use go with their last free. */
+API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    if (!pool || pool->is_default || pool->destroyed)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    pool->destroyed = 1;
+    pool_trim_locked(pool, 0);
+    int empty = pool_bytes(pool, 0) == 0;
+    pthread_mutex_unlock(&g_lock);
+    if (empty)
+        free(pool);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep_bytes)
+{
+    if (!pool || pool->destroyed)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    pool_trim_locked(pool, keep_bytes);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    if (!pool || pool->destroyed || !value)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    pool->release_threshold = *(const uint64_t *)value;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    if (!pool || pool->destroyed || !value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    uint64_t v;
+    if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        v = pool->release_threshold;
+    else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        v = pool_bytes(pool, 0);
+    else if (attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        v = pool_bytes(pool, 1);
+    else {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    pthread_mutex_unlock(&g_lock);
+    *(uint64_t *)value = v;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
+{
+    (void)s;
+    return pool_alloc(dptr, bytes, pool);
+}
+
+/* from the current device's default pool, as real CUDA does */
+API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
+{
+    (void)s;
+    if (!t_ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    CUmemoryPool pool = NULL;
+    CUresult r = cuDeviceGetDefaultMemPool(&pool, t_ctx->ordinal);
+    return r ? r : pool_alloc(dptr, bytes, pool);
+}
+
+/* ---- virtual memory management (cuMemCreate, cuMemMap, ...) ----
+ *
+ * As recorded on the H100: cuMemCreate of 32 MiB issued RM_ALLOC of a class-0x40 object
+ * (NVML +32 MiB at creation); cuMemAddressReserve, cuMemMap and cuMemSetAccess no RM
+ * allocation (mapping is nvidia-uvm's, not issued here); cuMemRelease after cuMemUnmap an
+ * RM_FREE. The physical memory lives until it is released and unmapped. The granularity is
+ * 2 MiB (the H100's minimum); sizes must be multiples of it. */
+
+
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+API CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option)
+{
+    (void)option;
+    if (!granularity || !prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    *granularity = VMM_GRANULARITY_BYTES;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                         unsigned long long flags)
+{
+    (void)flags;
+    CUresult r = ensure_init();
+    if (r)
+        return r;
+    if (!handle || !prop || size == 0 || size % VMM_GRANULARITY_BYTES || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    int phys = phys_of(prop->location.id);
+    if (phys < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (g_sim.hdr->devices[phys].lost)
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    pthread_mutex_lock(&g_lock);
+    if (ensure_slot() < 0 || !(g_devices_allocated & (1u << phys))) {
+        pthread_mutex_unlock(&g_lock);
+        return g_slot < 0 ? CUDA_ERROR_UNKNOWN : CUDA_ERROR_INVALID_CONTEXT;
+    }
+    struct ledger_delta mine = {0};
+    mine.requested_bytes = (int64_t)size;
+    mine.allocations = 1;
+    CUresult err = CUDA_SUCCESS;
+    uint32_t h = mem_create(phys, MEM_VMM, size, &mine, &err);
+    pthread_mutex_unlock(&g_lock);
+    if (!h)
+        return err;
+    *handle = h;
+    return CUDA_SUCCESS;
+}
+
+/* free a VMM object once it is released and unmapped (g_lock held) */
+static void vmm_maybe_free_locked(struct rm_mem *m)
+{
+    if (m->released && m->users == 0) {
+        struct ledger_delta d = {0};
+        d.requested_bytes = -(int64_t)m->size;
+        mem_destroy(m, &d);
+    }
+}
+
+API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    pthread_mutex_lock(&g_lock);
+    struct rm_mem *m = handle >> 32 ? NULL : mem_find((uint32_t)handle);
+    if (!m || m->kind != MEM_VMM || m->released) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    m->released = 1;
+    vmm_maybe_free_locked(m);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                 unsigned long long flags)
+{
+    (void)alignment; (void)addr; (void)flags;
+    if (!ptr || size == 0 || size % VMM_GRANULARITY_BYTES)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    *ptr = next_fake_va(size);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    return ptr && size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                      unsigned long long flags)
+{
+    (void)flags;
+    if (!ptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct rm_mem *m = handle >> 32 ? NULL : mem_find((uint32_t)handle);
+    if (!m || m->kind != MEM_VMM || m->released || offset + size > m->size) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (g_map_count == g_map_cap) {
+        size_t cap = g_map_cap ? g_map_cap * 2 : 16;
+        struct vmm_map *n = realloc(g_maps, cap * sizeof(*n));
+        if (!n) {
+            pthread_mutex_unlock(&g_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        g_maps = n;
+        g_map_cap = cap;
+    }
+    g_maps[g_map_count].va = ptr;
+    g_maps[g_map_count].handle = m->handle;
+    g_map_count++;
+    m->users++;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    (void)size;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_map_count; i++) {
+        if (g_maps[i].va != ptr)
+            continue;
+        struct rm_mem *m = mem_find(g_maps[i].handle); /* NULL: gone with its device */
+        g_maps[i] = g_maps[--g_map_count];
+        if (m && m->kind == MEM_VMM) {
+            m->users--;
+            vmm_maybe_free_locked(m);
+        }
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    return ptr && size && desc && count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
@@ -1938,6 +2467,21 @@ static const struct proc_entry g_procs[] = {
     {"cuMemAlloc", (void *)cuMemAlloc_v2},
     {"cuMemAllocManaged", (void *)cuMemAllocManaged},
     {"cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+    {"cuDeviceGetDefaultMemPool", (void *)cuDeviceGetDefaultMemPool},
+    {"cuMemPoolCreate", (void *)cuMemPoolCreate},
+    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
+    {"cuMemPoolTrimTo", (void *)cuMemPoolTrimTo},
+    {"cuMemPoolSetAttribute", (void *)cuMemPoolSetAttribute},
+    {"cuMemPoolGetAttribute", (void *)cuMemPoolGetAttribute},
+    {"cuMemGetAllocationGranularity", (void *)cuMemGetAllocationGranularity},
+    {"cuMemCreate", (void *)cuMemCreate},
+    {"cuMemRelease", (void *)cuMemRelease},
+    {"cuMemAddressReserve", (void *)cuMemAddressReserve},
+    {"cuMemAddressFree", (void *)cuMemAddressFree},
+    {"cuMemMap", (void *)cuMemMap},
+    {"cuMemUnmap", (void *)cuMemUnmap},
+    {"cuMemSetAccess", (void *)cuMemSetAccess},
     {"cuMemFree", (void *)cuMemFree_v2},
     {"cuMemFreeAsync", (void *)cuMemFreeAsync},
     {"cuMemGetInfo", (void *)cuMemGetInfo_v2},

@@ -10,9 +10,10 @@
  * Reported values:
  *   memory      used = sum of what live processes hold (the stub's ledger), reserved 0;
  *   processes   host pids (from the liveness locks, see simstate.h); dead ones never;
- *               usedGpuMemory follows RM's rule: the process's live memory objects at
- *               their rounded sizes (context memory and suballocation chunks included)
- *               plus its resident managed memory (cuda.c "driver model", README);
+ *               usedGpuMemory follows RM's rule: the process's live class-0x40 memory
+ *               objects at their rounded sizes (context memory, suballocation chunks,
+ *               pool and VMM objects), never managed memory, as the H100 recording shows
+ *               (cuda.c "driver model", README);
  *   utilisation busy time credited by kernel launches over the last second, summed
  *               over processes and clamped to 100; memory utilisation = gpu / 2;
  *   temperature 30 C + 0.4 C per utilisation point; power 70 W + 6.3 W per point;

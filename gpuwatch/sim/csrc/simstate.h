@@ -141,13 +141,14 @@ struct sim_proc {
     uint64_t generation;          /* bumps at every claim */
     uint32_t context_mask;        /* devices this process created a context on */
     uint32_t last_busy_epoch;     /* low 32 bits of the last bucket epoch it credited */
-    /* NVML's per-process used memory, RM's rule: rm_memory_bytes + managed_bytes */
+    /* NVML's per-process used memory, RM's rule: rm_memory_bytes (managed memory is not in
+     * it: the H100 recording, tests/system/test_sim_real_shape.py) */
     uint64_t memory_bytes[SIM_MAX_DEVICES];
     uint64_t allocations[SIM_MAX_DEVICES];    /* cuMemAlloc* calls that succeeded */
-    /* the parts of memory_bytes (diagnostics; `gpuwatch sim status`, tests):
+    /* what memory_bytes is made of, and more (diagnostics; `gpuwatch sim status`, tests):
      * live class-0x40 memory objects at the sizes RM wrote back (context memory,
      * one object per cuMemAlloc or suballocation chunks), their count, the context's
-     * share of them, resident managed memory (nvidia-uvm, no RM object), and the
+     * share of them, mapped managed memory (nvidia-uvm, no RM object, not in NVML), and the
      * sizes the program asked cuMemAlloc* for (live allocations) */
     uint64_t rm_memory_bytes[SIM_MAX_DEVICES];
     uint64_t rm_objects[SIM_MAX_DEVICES];
