@@ -220,9 +220,11 @@ def test_exercise_on_the_simulated_node(tmp_path: Path, programs: Programs) -> N
     assert all(p.startswith("/dev/nvidia") for p in opened)
     assert all(ev["errno"] == errno.ENOTTY for ev in events if ev.get("ev") == "ioctl" and ev["ret"] < 0)
 
-    # every RM_ALLOC of video memory has its pAllocParms captured (the 128 bytes RM reads)
+    # every RM_ALLOC of video memory has its pAllocParms captured (the 128 bytes RM reads),
+    # though the stub, as real libcuda, says paramsSize 0 (NVOS64 @32)
     allocs = list(memory_allocs(events))
     assert allocs and all(block["at"] == 16 and block["size"] == 128 for _, block in allocs)
+    assert {struct.unpack_from("<I", bytes.fromhex(events[i]["before"]), 32)[0] for i, _ in allocs} == {0}
     # one RM_ALLOC per cuMemAlloc, with the size RM wrote back (pools and VMM, which the
     # stub may implement too, come after these checkpoints)
     asked = {"alloc-1k": 1024, "alloc-1m": MIB, "alloc-2m": 2 * MIB, "alloc-1g": GIB}
