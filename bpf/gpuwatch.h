@@ -128,7 +128,7 @@
     X(0xA06C, 20)   /* KEPLER_CHANNEL_GROUP_A: NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS */ \
     X(0x9067, 12)   /* FERMI_CONTEXT_SHARE_A: NV_CTXSHARE_ALLOCATION_PARAMETERS */ \
     X(0x90E6, 0)    /* GF100_SUBDEVICE_MASTER: no parameters */ \
-    X(0x0079, 0)    /* GP100_UVM_SW: no parameters */
+    X(0x0079, 24)   /* NV01_EVENT_OS_EVENT: NV0005_ALLOC_PARAMETERS */
 
 #define GW_RM_ALLOC_PARAMS_CASE(cls, bytes) case cls: return bytes;
 /* Bytes of the RM_ALLOC parameter block of class `h_class` (0: none, or a class not in the table). */

@@ -76,7 +76,8 @@ RM_ALLOC_PARAMS_BYTES: dict[int, int] = {
     0x00F8: 48, 0x00FD: 80,           # fabric / multicast fabric memory
     0x00DE: 8, 0x503C: 4, 0xC8B5: 8, 0x83DE: 12, 0xCB33: 4, 0xC661: 2, 0xCBC0: 16,
     0xC86F: 368, 0xA06C: 20, 0x9067: 12,
-    0x90E6: 0, 0x0079: 0,             # no parameters
+    0x0079: 24,                       # NV01_EVENT_OS_EVENT: NV0005_ALLOC_PARAMETERS
+    0x90E6: 0,                        # GF100_SUBDEVICE_MASTER: no parameters
 }
 GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO = 0x202
 GW_NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 = 0x205
