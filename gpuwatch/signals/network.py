@@ -1,29 +1,33 @@
 """Network signals: the node's NICs, its RDMA ports, and bytes per container network namespace.
 
-The only module of gpuwatch that imports pyroute2 (a ruff banned-api rule keeps it so);
-pyroute2 is imported when the first NIC read opens the netlink sockets (importing it costs
-~0.1 s CPU), so `gpuwatch --help` and the other reads never pay for it.
+The only module of gpuwatch that imports pyroute2 (a ruff banned-api rule keeps it so), and
+only for ethtool netlink where sysfs does not show a device: the link list is decoded here
+from plain netlink sockets (a handful of fields), because importing pyroute2 -- its package
+`__init__` loads every netlink family it has, asyncio and sqlite3 -- cost the agent 14-22
+MiB of RSS, a third of it, for four fields per link.
 
 NICs (`read_nics`) are those of the agent's own network namespace (the DaemonSet runs with
 hostNetwork), loopback excluded, in ifindex order. Two kinds of facts, at two rates:
 
-* the link list -- name, ifindex, operstate, carrier, loopback flag -- from a pyroute2
-  rtnetlink link dump, kept current between dumps by the kernel's link events (an
+* the link list -- name, ifindex, operstate, carrier, loopback flag -- from an rtnetlink
+  link dump (RTM_GETLINK), kept current between dumps by the kernel's link events (an
   RTMGRP_LINK subscription drained without blocking on every read, the RTM_NEWLINK /
-  RTM_DELLINK messages decoded by pyroute2's marshal), so an operstate change shows at the
-  next read. A full dump is taken on the first read, every `link_refresh_s` (default 30 s,
-  a safety net), after lost events (ENOBUFS), and when /proc/net/dev lists interfaces the
-  list lacks (at most once per `MIN_DUMP_INTERVAL_S`).
-  The speed is ethtool's (the ETHTOOL_MSG_LINKMODES_GET netlink request through pyroute2's
-  `NlEthtool`; `/sys/class/net/<dev>/speed` where that family or the driver does not
-  answer), asked when a link is first seen running and whenever it starts running again --
-  renegotiation, the only way a speed changes, takes the carrier down -- and kept otherwise.
+  RTM_DELLINK messages decoded by `decode_link_messages`), so an operstate change shows at
+  the next read. A full dump is taken on the first read, every `link_refresh_s` (default
+  30 s, a safety net), after lost events (ENOBUFS), and when /proc/net/dev lists
+  interfaces the list lacks (at most once per `MIN_DUMP_INTERVAL_S`).
+  The speed is `/sys/class/net/<dev>/speed` -- the kernel's ethtool link settings, the
+  number the ETHTOOL_MSG_LINKMODES_GET netlink request answers -- and ethtool netlink
+  (pyroute2's `NlEthtool`) only for a device this sysfs does not show; asked when a link is
+  first seen running and whenever it starts running again -- renegotiation, the only way a
+  speed changes, takes the carrier down -- and kept otherwise.
   No carrier, not running, unknown or -1 -> None; Mb/s -> bytes/s.
 * byte counters from one read of `<proc_root>/net/dev` per call: the 64-bit
   `dev_get_stats()` numbers IFLA_STATS64 carries too, for every interface at once.
 
-Why not one pyroute2 dump per read -- measured on the build VM (2 vCPU, kernel 6.18,
-pyroute2 0.9.7), `time.thread_time()` per call, averaged over 200 calls:
+Why not one link dump per read -- measured on the build VM (2 vCPU, kernel 6.18, with
+pyroute2 0.9.7 before the decoder here replaced it), `time.thread_time()` per call,
+averaged over 200 calls:
 
 | what | CPU per call |
 |---|---|
@@ -38,10 +42,10 @@ pyroute2 0.9.7), `time.thread_time()` per call, averaged over 200 calls:
 | first `read_nics()` (pyroute2 import, sockets, dump) | ~95 ms, once |
 
 A dump per read alone would take most of a 1 ms budget at a few NICs; with the split a read
-costs ~0.04 ms plus ~0.03 ms/s for the periodic dump. Where netlink cannot be opened at all
-(pyroute2 missing, sockets refused) the link list comes from `/sys/class/net` instead
-(`SysfsLinks`, re-read at the periodic refresh: link changes show up to `link_refresh_s`
-late); that is logged once.
+costs ~0.04 ms plus ~0.03 ms/s for the periodic dump (the decoder here is cheaper than
+pyroute2's marshal: these are upper bounds). Where netlink cannot be opened at all (sockets
+refused) the link list comes from `/sys/class/net` instead (`SysfsLinks`, re-read at the
+periodic refresh: link changes show up to `link_refresh_s` late); that is logged once.
 
 RDMA (`read_rdma`): `<sys_root>/class/infiniband/<dev>/ports/<n>/` -- state ("4: ACTIVE"),
 rate ("100 Gb/sec (4X EDR)"), link_layer, and counters/port_rcv_data and port_xmit_data,
@@ -106,6 +110,22 @@ _ARPHRD_LOOPBACK = 772
 _RTMGRP_LINK = 0x1
 _RTM_NEWLINK = 16
 _RTM_DELLINK = 17
+_RTM_GETLINK = 18
+_NLMSG_ERROR = 2
+_NLMSG_DONE = 3
+_NLM_F_REQUEST = 0x1
+_NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
+_NLM_F_DUMP_INTR = 0x10
+_NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+_IFLA_IFNAME = 3
+_IFLA_OPERSTATE = 16
+_IFLA_CARRIER = 33
+_OPERSTATES = ("unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up")  # RFC 2863 codes
+_NLMSG_HEADER = struct.Struct("=IHHII")  # struct nlmsghdr: len, type, flags, seq, pid
+_IFINFOMSG = struct.Struct("=BxHiII")  # struct ifinfomsg: family, pad, type, index, flags, change
+_RECV_BYTES = 1 << 16  # a dump part is at most 32 KiB (one skb); events are smaller
+_DUMP_TIMEOUT_S = 5.0
+_DUMP_ATTEMPTS = 3
 _MAX_DISTINCT_ERRORS = 1024
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)b/sec\b")
 _STATE_RE = re.compile(r"[A-Z][A-Z0-9_]*")
@@ -275,19 +295,67 @@ class SysfsLinks:
             return None
 
 
-class PyrouteLinks:
-    """The link list from pyroute2: an rtnetlink dump, kept current by link events.
+def decode_link_messages(data: bytes) -> tuple[list[tuple[int, int, int, dict[int, bytes]]], bool, int]:
+    """Netlink datagram(s) -> ([(type, index, flags, {IFLA_* attribute: payload})], done, error).
 
-    Holds three sockets of the network namespace it was created in: pyroute2's IPRoute for
-    dumps, pyroute2's NlEthtool for speeds, and an RTMGRP_LINK subscription (a plain
-    non-blocking socket whose messages pyroute2's rtnetlink marshal decodes). `links(False)`
-    drains that subscription and applies RTM_NEWLINK/RTM_DELLINK to the list of the last
-    dump -- one failing recv() when nothing happened; a lost-event overflow (ENOBUFS) makes
-    it dump instead. A link's speed is asked (ethtool netlink, else sysfs) when it is first
-    seen running and again whenever it starts running again (renegotiation, the only way a
-    speed changes, takes the carrier down), and kept otherwise.
+    Decodes the few fields the link list needs from RTM_NEWLINK / RTM_DELLINK messages
+    (`struct ifinfomsg` + its top-level attributes, nested ones left undecoded); other
+    message types are skipped. `done` is True at NLMSG_DONE; `error` is the negative errno of
+    an NLMSG_ERROR (0: none; an ack is 0 too). Raises ValueError on a truncated message.
+    """
+    messages: list[tuple[int, int, int, dict[int, bytes]]] = []
+    offset, done, error = 0, False, 0
+    while offset + _NLMSG_HEADER.size <= len(data):
+        length, message_type, flags, _seq, _pid = _NLMSG_HEADER.unpack_from(data, offset)
+        if length < _NLMSG_HEADER.size or offset + length > len(data):
+            raise ValueError(f"netlink message of {length} bytes at {offset} of {len(data)}")
+        if flags & _NLM_F_DUMP_INTR:
+            raise ValueError("link dump interrupted (the list changed while it was read)")
+        body = offset + _NLMSG_HEADER.size
+        if message_type == _NLMSG_DONE:
+            done = True
+        elif message_type == _NLMSG_ERROR:
+            error = struct.unpack_from("=i", data, body)[0] if length >= _NLMSG_HEADER.size + 4 else -errno.EIO
+        elif message_type in (_RTM_NEWLINK, _RTM_DELLINK) and length >= _NLMSG_HEADER.size + _IFINFOMSG.size:
+            _family, _type, index, if_flags, _change = _IFINFOMSG.unpack_from(data, body)
+            attributes: dict[int, bytes] = {}
+            at = body + _IFINFOMSG.size
+            end = offset + length
+            while at + 4 <= end:
+                rta_len, rta_type = struct.unpack_from("=HH", data, at)
+                if rta_len < 4 or at + rta_len > end:
+                    raise ValueError(f"netlink attribute of {rta_len} bytes at {at}")
+                attributes[rta_type & _NLA_TYPE_MASK] = data[at + 4:at + rta_len]
+                at += (rta_len + 3) & ~3
+            messages.append((message_type, index, if_flags, attributes))
+        offset += (length + 3) & ~3
+    return messages, done, error
 
-    Raises LinkSourceError when pyroute2 or netlink is unavailable.
+
+def _operstate(payload: bytes | None) -> str:
+    """IFLA_OPERSTATE (RFC 2863 code, one byte) -> its lower-case name, as sysfs writes it."""
+    if not payload:
+        return "unknown"
+    return _OPERSTATES[payload[0]] if payload[0] < len(_OPERSTATES) else "unknown"
+
+
+class NetlinkLinks:
+    """The link list from rtnetlink: a link dump, kept current by link events.
+
+    Two plain netlink sockets of the network namespace it was created in: one for dumps
+    (RTM_GETLINK with NLM_F_DUMP) and an RTMGRP_LINK subscription, non-blocking. Only the
+    fields the reader uses are decoded (`decode_link_messages`: ifindex, flags, IFLA_IFNAME,
+    IFLA_OPERSTATE, IFLA_CARRIER) -- a few struct unpacks instead of a netlink library,
+    whose import (pyroute2: ~14-22 MiB RSS) was a third of the agent's memory. `links(False)`
+    drains the subscription and applies RTM_NEWLINK/RTM_DELLINK to the list of the last dump
+    -- one failing recv() when nothing happened; a lost-event overflow (ENOBUFS) makes it
+    dump instead. A link's speed is asked when it is first seen running and again whenever
+    it starts running again (renegotiation, the only way a speed changes, takes the carrier
+    down), and kept otherwise: `/sys/class/net/<dev>/speed` (the kernel's ethtool ksettings,
+    the number ETHTOOL_MSG_LINKMODES_GET answers), and where sysfs has no such device
+    (a /sys of another namespace) ethtool netlink through pyroute2, imported only then.
+
+    Raises LinkSourceError when netlink is unavailable.
     """
 
     def __init__(self, sys_root: str = "/sys") -> None:
@@ -295,33 +363,24 @@ class PyrouteLinks:
         self._by_index: dict[int, LinkInfo] = {}
         self._speeds: dict[tuple[int, str, bool], int | None] = {}
         self._dumped = False
+        self._seq = 0
         self._events: socket.socket | None = None
-        self._ipr: Any = None
-        self._ethtool: Any = None
-        try:
-            from pyroute2 import IPRoute
-            from pyroute2.netlink.exceptions import NetlinkError
-            from pyroute2.netlink.generic.ethtool import NlEthtool
-            from pyroute2.netlink.rtnl.marshal import MarshalRtnl
-        except ImportError as err:
-            raise LinkSourceError(f"pyroute2 cannot be imported: {err}") from err
-        self._netlink_error: type[Exception] = NetlinkError
-        self._marshal = MarshalRtnl()
+        self._dump_socket: socket.socket | None = None
+        self._ethtool: Any = None  # pyroute2's NlEthtool, opened at the first speed sysfs lacks
+        self._ethtool_error: type[Exception] = OSError
         try:
             self._events = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK,
                                          socket.NETLINK_ROUTE)
             self._events.bind((0, _RTMGRP_LINK))
-            self._ipr = IPRoute()
-        except (OSError, NetlinkError) as err:
+            self._dump_socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+            self._dump_socket.bind((0, 0))
+            self._dump_socket.settimeout(_DUMP_TIMEOUT_S)
+        except OSError as err:
             self.close()
             raise LinkSourceError(f"rtnetlink socket refused: {err}") from err
-        try:
-            self._ethtool = NlEthtool()
-        except (OSError, NetlinkError) as err:
-            log.info("ethtool netlink unavailable (%s): link speeds come from /sys/class/net/<dev>/speed", err)
 
     def links(self, full: bool) -> list[LinkInfo]:
-        if self._ipr is None or self._events is None:
+        if self._dump_socket is None or self._events is None:
             raise LinkSourceError("link source is closed")
         if full or not self._dumped:
             self._dump()
@@ -331,43 +390,67 @@ class PyrouteLinks:
                 self._dump()
             else:
                 for event in events:
-                    self._apply(event)
+                    self._apply(*event)
         return sorted(self._by_index.values(), key=lambda link: link.index)
 
     def close(self) -> None:
-        for name in ("_ethtool", "_ipr"):
+        if self._ethtool is not None:
+            try:
+                self._ethtool.close()
+            except (OSError, self._ethtool_error) as err:
+                log.debug("closing ethtool netlink: %s", err)
+            self._ethtool = None
+        for name in ("_dump_socket", "_events"):
             handle = getattr(self, name)
             setattr(self, name, None)
             if handle is not None:
-                try:
-                    handle.close()
-                except (OSError, self._netlink_error) as err:
-                    log.debug("closing %s: %s", name, err)
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+                handle.close()
 
     def _dump(self) -> None:
         self._drain()  # the dump shows all of it; applying it afterwards could undo newer state
-        try:
-            messages = self._ipr.get_links()
-        except (OSError, self._netlink_error) as err:
-            raise LinkSourceError(f"rtnetlink link dump failed: {err}") from err
+        for attempt in range(_DUMP_ATTEMPTS):
+            try:
+                messages = self._dump_once()
+                break
+            except ValueError as err:  # interrupted by a change, or garbage: ask again
+                if attempt == _DUMP_ATTEMPTS - 1:
+                    raise LinkSourceError(f"rtnetlink link dump failed: {err}") from err
         self._by_index = {}
         for message in messages:
-            self._apply(message)
+            self._apply(*message)
         self._dumped = True
         keep = {(link.index, link.name, _running(link.operstate, link.carrier)) for link in self._by_index.values()}
         self._speeds = {key: speed for key, speed in self._speeds.items() if key in keep}  # bounded
 
-    def _drain(self) -> list[Any] | None:
+    def _dump_once(self) -> list[tuple[int, int, int, dict[int, bytes]]]:
+        assert self._dump_socket is not None
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        request = _NLMSG_HEADER.pack(_NLMSG_HEADER.size + _IFINFOMSG.size, _RTM_GETLINK,
+                                     _NLM_F_REQUEST | _NLM_F_DUMP, self._seq, 0) + bytes(_IFINFOMSG.size)
+        messages: list[tuple[int, int, int, dict[int, bytes]]] = []
+        try:
+            self._dump_socket.send(request)
+            while True:
+                data = self._dump_socket.recv(_RECV_BYTES)
+                if not data:
+                    raise LinkSourceError("rtnetlink link dump: socket closed")
+                batch, done, error = decode_link_messages(data)
+                if error:
+                    raise LinkSourceError(f"rtnetlink link dump failed: {os.strerror(-error)}")
+                messages.extend(batch)
+                if done:
+                    return messages
+        except OSError as err:  # includes the timeout
+            raise LinkSourceError(f"rtnetlink link dump failed: {err}") from err
+
+    def _drain(self) -> list[tuple[int, int, int, dict[int, bytes]]] | None:
         """Link messages received since the last drain; None when some were lost."""
         assert self._events is not None
-        events: list[Any] = []
+        events: list[tuple[int, int, int, dict[int, bytes]]] = []
         lost = False
         while True:
             try:
-                data = self._events.recv(65536)
+                data = self._events.recv(_RECV_BYTES)
             except BlockingIOError:
                 break
             except OSError as err:
@@ -378,25 +461,23 @@ class PyrouteLinks:
             if not data:
                 break
             try:
-                events.extend(self._marshal.parse(data))
-            except (ValueError, struct.error, self._netlink_error) as err:
+                events.extend(decode_link_messages(data)[0])
+            except (ValueError, struct.error) as err:
                 log.debug("undecodable link event: %s", err)
                 lost = True
         return None if lost else events
 
-    def _apply(self, message: Any) -> None:
-        index = int(message["index"])
-        message_type = message["header"]["type"]
+    def _apply(self, message_type: int, index: int, flags: int, attributes: dict[int, bytes]) -> None:
         if message_type == _RTM_DELLINK:
             self._by_index.pop(index, None)
             return
-        name = message.get_attr("IFLA_IFNAME")
+        name = attributes.get(_IFLA_IFNAME, b"").split(b"\0", 1)[0].decode(errors="replace")
         if message_type != _RTM_NEWLINK or not name:
             return
-        carrier_attr = message.get_attr("IFLA_CARRIER")
-        carrier = None if carrier_attr is None else bool(carrier_attr)
-        loopback = bool(int(message["flags"]) & _IFF_LOOPBACK)
-        operstate = str(message.get_attr("IFLA_OPERSTATE") or "unknown").lower()
+        carrier_attr = attributes.get(_IFLA_CARRIER)
+        carrier = None if not carrier_attr else bool(carrier_attr[0])
+        loopback = bool(flags & _IFF_LOOPBACK)
+        operstate = _operstate(attributes.get(_IFLA_OPERSTATE))
         running = _running(operstate, carrier)
         key = (index, name, running)
         if key not in self._speeds:
@@ -404,16 +485,34 @@ class PyrouteLinks:
         self._by_index[index] = LinkInfo(name, index, operstate, carrier, loopback, self._speeds[key])
 
     def _speed(self, name: str, index: int) -> int | None:
-        if self._ethtool is not None:
+        if os.path.isdir(f"{self.sys_root}/class/net/{name}"):
+            return _sysfs_speed(self.sys_root, name)
+        return self._ethtool_speed(index)
+
+    def _ethtool_speed(self, index: int) -> int | None:
+        """ETHTOOL_MSG_LINKMODES_GET through pyroute2, for a device this sysfs does not show."""
+        if self._ethtool is None:
             try:
-                replies = self._ethtool.get_linkmode(ifindex=index)
-            except (OSError, self._netlink_error):
-                replies = None  # EOPNOTSUPP for devices without ksettings (lo, ifb, tun)
-            for reply in replies or ():
-                value = reply.get_attr("ETHTOOL_A_LINKMODES_SPEED")
-                if value is not None:
-                    return int(value)
-        return _sysfs_speed(self.sys_root, name)
+                from pyroute2.netlink.exceptions import NetlinkError
+                from pyroute2.netlink.generic.ethtool import NlEthtool
+
+                self._ethtool_error = NetlinkError
+                self._ethtool = NlEthtool()
+            except (ImportError, OSError) as err:
+                log.debug("ethtool netlink unavailable (%s): no speed", err)
+                return None
+            except self._ethtool_error as err:
+                log.debug("ethtool netlink unavailable (%s): no speed", err)
+                return None
+        try:
+            replies = self._ethtool.get_linkmode(ifindex=index)
+        except (OSError, self._ethtool_error):
+            replies = None  # EOPNOTSUPP for devices without ksettings (lo, ifb, tun)
+        for reply in replies or ():
+            value = reply.get_attr("ETHTOOL_A_LINKMODES_SPEED")
+            if value is not None:
+                return int(value)
+        return None
 
 
 # -- the reader -----------------------------------------------------------------------------
@@ -430,7 +529,7 @@ class _NetnsBytes:
 class NetworkReader:
     """Reads NICs, RDMA ports and per-container network bytes; see the module docstring.
 
-    `links` is the link-list source (default: `PyrouteLinks` in the agent's namespace,
+    `links` is the link-list source (default: `NetlinkLinks` in the agent's namespace,
     opened at the first `read_nics`, `SysfsLinks` where netlink is unavailable); the reader
     owns it and closes it in `close()`.
     """
@@ -538,7 +637,7 @@ class NetworkReader:
     def _link_source(self) -> LinkSource:
         if self._source is None:
             try:
-                self._source = PyrouteLinks(self.sys_root)
+                self._source = NetlinkLinks(self.sys_root)
             except LinkSourceError as err:
                 log.warning("netlink unavailable (%s): NIC list, operstate and speed come from "
                             "%s/class/net, and link changes show only at the %.0f s refresh",
@@ -787,9 +886,10 @@ __all__ = [
     "LinkInfo",
     "LinkSource",
     "LinkSourceError",
+    "NetlinkLinks",
     "NetworkReader",
-    "PyrouteLinks",
     "SysfsLinks",
+    "decode_link_messages",
     "namespace_bytes",
     "parse_net_dev",
     "parse_rdma_rate",

@@ -224,8 +224,8 @@ def test_operstate_and_speed_follow_the_link_at_the_next_reads(pair: Pair) -> No
 def test_netlink_and_sysfs_agree_on_the_links(pair: Pair) -> None:
     _ip("-n", pair.a, "link", "add", "vdown", "type", "veth", "peer", "name", "vdown2")
     result = _run_in(pair.a, """
-        from gpuwatch.signals.network import PyrouteLinks, SysfsLinks
-        netlink = PyrouteLinks("/sys")
+        from gpuwatch.signals.network import NetlinkLinks, SysfsLinks
+        netlink = NetlinkLinks("/sys")
         listed = [[link.name, link.index, link.operstate, link.carrier, link.loopback, link.speed_mbps]
                   for link in netlink.links(full=True)]
         netlink.close()
