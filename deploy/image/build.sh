@@ -8,7 +8,10 @@
 #
 # How (as root; apt-get install mmdebstrap umoci skopeo):
 #   1. base: mmdebstrap makes a Debian root filesystem from deploy/image/packages.txt
-#      (variant "essential": no apt, no compiler; BCC's clang/LLVM come as libraries).
+#      (variant "essential": no apt, no compiler; BCC's clang/LLVM come as libraries), and a
+#      hook unpacks Debian's kernel headers into /opt/gpuwatch/bundled-kernel-headers
+#      (deploy/image/bundle-kernel-headers.sh: for hosts without headers; not installed as
+#      packages, which would pull gcc in).
 #   2. app: the gpuwatch wheel is built from this checkout, its dependencies are fetched as
 #      wheels by the host's pip (so its index/mirror configuration applies), and both are
 #      installed --no-index into a venv at /opt/gpuwatch/venv inside the rootfs (a venv made
@@ -43,8 +46,9 @@ cache="${GPUWATCH_IMAGE_CACHE:-/var/cache/gpuwatch/image}"
 out="${GPUWATCH_IMAGE_OUT:-$repo/dist/image}"
 python="${PYTHON:-/usr/bin/python3}"
 venv=/opt/gpuwatch/venv
+bundled_headers=/opt/gpuwatch/bundled-kernel-headers  # gpuwatch/probes/bcc_loader.py: BUNDLED_HEADERS
 # Bump when the recipe below changes in a way the keys do not see.
-recipe=1
+recipe=2
 
 log() { printf '[gpuwatch image] %s\n' "$*" >&2; }
 die() { printf '[gpuwatch image] error: %s\n' "$1" >&2; [ -n "${2:-}" ] && printf '  fix: %s\n' "$2" >&2; exit 1; }
@@ -87,7 +91,8 @@ prune() {
 }
 
 # --- 1. Debian base --------------------------------------------------------------------------
-base_key="$(printf '%s\n' "recipe=$recipe" "suite=$suite" "${sources[@]}" "${packages[@]}" | sha)"
+base_key="$(printf '%s\n' "recipe=$recipe" "suite=$suite" "${sources[@]}" "${packages[@]}" \
+  "headers=$bundled_headers $(sha <"$here/bundle-kernel-headers.sh")" | sha)"
 base="$cache/base-$base_key"
 if [ ! -e "$base/.complete" ]; then
   log "building the Debian base ($suite: ${packages[*]}) with mmdebstrap into $base"
@@ -98,6 +103,7 @@ if [ ! -e "$base/.complete" ]; then
       --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
       --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
       --dpkgopt='path-exclude=/usr/share/info/*' \
+      --customize-hook="APT_CONFIG=\"\$MMDEBSTRAP_APT_CONFIG\" bash '$here/bundle-kernel-headers.sh' \"\$1$bundled_headers\"" \
       "$suite" "$base/rootfs" "${sources[@]}" >"$base/mmdebstrap.log" 2>&1; then
     tail -n 20 "$base/mmdebstrap.log" >&2
     rm -rf --one-file-system "$base"
@@ -106,7 +112,8 @@ if [ ! -e "$base/.complete" ]; then
   # what is in the image, for the record (and the tests)
   chroot "$base/rootfs" dpkg-query -W -f='${Package} ${Version}\n' >"$base/packages.lock"
   touch "$base/.complete"
-  log "base ready in $((SECONDS - started)) s ($(du -sh "$base/rootfs" | cut -f1))"
+  log "base ready in $((SECONDS - started)) s ($(du -sh "$base/rootfs" | cut -f1)); kernel headers for BCC:" \
+    "$(head -n 1 "$base/rootfs$bundled_headers/gpuwatch-headers.txt")"
 fi
 touch "$base"
 prune base 2
@@ -153,12 +160,15 @@ PY
 )"
 bpf_hash="$(cd "$work/src" && find bpf -type f \( -name '*.c' -o -name '*.h' \) -print0 | sort -z | xargs -0 sha256sum | sha)"
 
-# mount points the DaemonSet (and runc with a read-only rootfs) needs
+# mount points the DaemonSet (and runc with a read-only rootfs) needs; usr/src, lib/modules and
+# opt/gpuwatch/kernel-headers are for a deployment that mounts the host's kernel headers (they
+# win over the bundled ones; the shipped DaemonSet and unit do not mount them)
 mount_points=(host/proc run/containerd run/containers var/lib/docker/containers usr/src lib/modules
   etc/gpuwatch var/log/gpuwatch run/gpuwatch etc/kubernetes/node-feature-discovery/features.d
   opt/gpuwatch/kernel-headers sys/fs/bpf sys/fs/cgroup)
-# what the app stage adds to the base: the image's second layer
-app_paths=(opt/gpuwatch etc/gpuwatch-image "${mount_points[@]}")
+# what the app stage adds to the base: the image's second layer (the venv only of opt/gpuwatch:
+# the bundled kernel headers next to it are the base's)
+app_paths=(opt/gpuwatch/venv etc/gpuwatch-image "${mount_points[@]}")
 
 # --- 3. app rootfs: base + venv ---------------------------------------------------------------
 # (this script is in the key too: a change to the steps below rebuilds the app stage)

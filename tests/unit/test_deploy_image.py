@@ -76,3 +76,25 @@ def test_probe_sources_come_with_the_wheel_and_are_found_there(tmp_path: Path) -
     assert not [args for args in instruction("COPY") if args.startswith("bpf/*")]
 
 
+
+
+def test_both_bundle_the_kernel_headers_where_the_agent_looks() -> None:
+    """build.sh (an mmdebstrap hook) and the Containerfile run the one bundling script into
+    the path gpuwatch falls back to; the script unpacks the packages instead of installing
+    them (installing would pull gcc in); neither the DaemonSet's nor the systemd unit's
+    mounts hide the tree (a mount at /opt/gpuwatch/kernel-headers would)."""
+    from gpuwatch.probes.bcc_loader import BUNDLED_HEADERS
+
+    script = (IMAGE / "bundle-kernel-headers.sh").read_text()
+    assert f"bundled_headers={BUNDLED_HEADERS} " in BUILD_SH
+    assert "bundle-kernel-headers.sh" in BUILD_SH and '--customize-hook=' in BUILD_SH
+    assert any(f"bash /tmp/bundle-kernel-headers.sh {BUNDLED_HEADERS}" in args for args in instruction("RUN"))
+    assert "dpkg-deb --extract" in script and "apt-get install" not in script
+    assert "opt/gpuwatch/venv" in bash_array("app_paths"), "the app layer must not copy the base's headers"
+    assert "opt/gpuwatch" not in bash_array("app_paths")
+    for mount in bash_array("mount_points"):
+        assert not BUNDLED_HEADERS.is_relative_to("/" + mount), mount
+    unit = (IMAGE.parent / "systemd" / "gpuwatch-agent.service").read_text()
+    binds = [item.lstrip("-").split(":")[-1] for line in unit.splitlines()
+             if line.startswith(("BindPaths=", "BindReadOnlyPaths=")) for item in line.split("=", 1)[1].split()]
+    assert not [b for b in binds if BUNDLED_HEADERS.is_relative_to(b)], binds
