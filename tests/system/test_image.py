@@ -6,11 +6,15 @@ limit and volume mounts are read from the rendered kustomize base (deploy/kubern
 a change to the manifest is a change to what is tested. The DaemonSet's shape: host PID
 namespace, its own mount/ipc/uts namespaces and (by default on cgroup v2 runtimes) its own
 cgroup namespace, privileged (every capability, every device, no seccomp, nothing masked),
-host /proc at /host/proc, /sys, the host's /sys/fs/cgroup, bpffs, the runtime bundle dirs, the
-kernel headers; its cgroup a kubepods pod cgroup like any pod's. Pods of the simulated node run
-outside it. Checked: exact NVML memory and pod labels per pod, the probes attached and their
-counters joined to the pods, a pause from the policy landing on the right pod's cgroup, and a
-SIGTERM that thaws it again. Once in a private cgroup namespace, once in the host's.
+host /proc at /host/proc, /sys, the host's /sys/fs/cgroup, bpffs, the runtime bundle dirs, and
+no host kernel headers (as on the H100 host of issue 16, which had none: BCC compiles against
+the image's bundled tree); its cgroup a kubepods pod cgroup like any pod's. Pods of the
+simulated node run outside it. Checked: exact NVML memory and pod labels per pod, the probes
+attached and their counters joined to the pods, `gpuwatch doctor` in the container naming the
+headers used, a pause from the policy landing on the right pod's cgroup, and a SIGTERM that
+thaws it again. In a private cgroup namespace and in the host's; once more with the host's
+header paths mounted (as a deployment that adds them would), which then win. Each run prints
+the probe start-up time and the agent's memory (the numbers README reports).
 
 What differs from a kubelet, and why (the test's own adjustments, all listed in `adjust`):
 * network: the host's (the test scrapes 127.0.0.1; a pod would get its own network namespace);
@@ -20,13 +24,15 @@ What differs from a kubelet, and why (the test's own adjustments, all listed in 
 * the simulated node: its fake libnvidia-ml (on a real node the NVIDIA toolkit injects the
   driver's), its device nodes and the lab's bundle/runc dirs, mounted at the same paths and
   named with --nvml-library, --device-prefix, --containerd-root and --runc-root;
-* --interval=0.5 (default 1 s), to keep the test short.
+* --interval=0.5 (default 1 s), to keep the test short;
+* headers="host" only: the host's /lib/modules, /usr/src and /opt/gpuwatch/kernel-headers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -34,7 +40,7 @@ import tarfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +49,17 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.probes.bcc_loader import (
+    BUNDLED_HEADERS,
+    HEADERS_FROM_BUNDLED,
+    HEADERS_FROM_HOST,
+    HEADERS_FROM_HOST_MERGED,
+    find_kernel_headers,
+)
 from gpuwatch.sim import cgroups, demo
+from gpuwatch.sim import node as simnode
+from gpuwatch.sim.node import SimNode, SimProcess
 from gpuwatch.sim.runc import ContainerLab, RunningContainer, find_runc
 from tests.conftest import need, need_bcc, need_binary
 from tests.system.promstack import free_port
@@ -59,6 +75,8 @@ MIB = 1 << 20
 ENTRYPOINT = "/opt/gpuwatch/venv/bin/gpuwatch"  # the image's ENTRYPOINT (build.sh: umoci config)
 IMAGE_PATH = "/opt/gpuwatch/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NODE_NAME = "image-test-node"
+# the host paths a deployment mounts to give the agent the host's own kernel headers
+HOST_HEADER_PATHS = ("/lib/modules", "/usr/src", "/opt/gpuwatch/kernel-headers")
 PAUSED_POD = "notebook-1"
 POLICY = f"""
 version: 1
@@ -283,8 +301,25 @@ def overlay(lower: Path, base: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(merged)], check=False, capture_output=True, timeout=30)
 
 
+@dataclass
+class AgentContainer:
+    """The running agent container: its `runc run` process and how long it took to serve."""
+
+    proc: subprocess.Popen[bytes]
+    runc: str
+    state: Path
+    container_id: str
+    serving_s: float = 0.0  # from `runc run` to the first answer on /metrics (probes started before)
+
+    def exec(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run a command in the container (`runc exec`, the image's PATH), as `kubectl exec` would."""
+        return subprocess.run([self.runc, "--root", str(self.state), "exec", "--env", f"PATH={IMAGE_PATH}",
+                               self.container_id, *args], capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+
+
 @contextmanager
-def agent_container(config: dict[str, Any], bundle: Path, log: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def agent_container(config: dict[str, Any], bundle: Path, log: Path, port: int) -> Iterator[AgentContainer]:
     """`runc run` the agent; yields once it serves /metrics. On exit: SIGTERM, then delete,
     then remove the pod cgroup runc made (parents the test caused are marked for the sim labs)."""
     runc = find_runc()
@@ -296,6 +331,7 @@ def agent_container(config: dict[str, Any], bundle: Path, log: Path, port: int) 
     parents = [str(p) for p in Path(cgroup_path).parents if str(p) != "/"]
     with cgroups.tree_lock(mounts, exclusive=False):
         absent = [d for p in parents for d in mounts.all_dirs(p) if not d.is_dir()]
+        started = time.monotonic()
         with log.open("wb") as out:
             proc = subprocess.Popen([runc, "--root", str(state), "run", "--bundle", str(bundle), container_id],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -317,8 +353,8 @@ def agent_container(config: dict[str, Any], bundle: Path, log: Path, port: int) 
             except OSError:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"agent did not serve /metrics:\n{log.read_text()[-6000:]}") from None
-                time.sleep(0.3)
-        yield proc
+                time.sleep(0.1)
+        yield AgentContainer(proc, runc, state, container_id, serving_s=time.monotonic() - started)
     finally:
         if proc.poll() is None:
             subprocess.run([runc, "--root", str(state), "kill", container_id, "TERM"], check=False,
@@ -379,19 +415,80 @@ def cgroups_named(series: list[dict[str, str]]) -> dict[int, str]:
     return found
 
 
-def wait_until(predicate: Any, timeout_s: float, what: str, log: Path) -> None:
+def wait_until(predicate: Any, timeout_s: float, what: str, log: Path,
+               seen: Callable[[], str] = lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; agent log:\n{log.read_text()[-6000:]}")
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; {seen()}\n"
+                         f"agent log:\n{log.read_text()[-6000:]}")
 
 
-@pytest.mark.parametrize("own_cgroupns", [True, False], ids=["private-cgroupns", "host-cgroupns"])
-def test_agent_from_image_as_the_daemonset_runs_it(image_rootfs: Path, tmp_path: Path, own_cgroupns: bool) -> None:
+def pod_ledger(sim: SimNode, container: RunningContainer) -> SimProcess:
+    """The simulated driver's ledger entry of the pod's one GPU process."""
+    pids = set(cgroups.read_pids(cgroups.detect().v2_dir(container.cgroup_path)))
+    (entry,) = [p for p in simnode.status(sim).processes if p.host_pid in pids]
+    return entry
+
+
+def pod_counters(text: str) -> dict[str, tuple[float | None, ...]]:
+    """For a failure message: (NVML bytes, probe bytes, probe allocations) per pod."""
+    return {w.pod: tuple(value(text, name, pod=w.pod) for name in (
+        "gpuwatch_container_memory_bytes", "gpuwatch_container_allocated_bytes",
+        "gpuwatch_container_allocations_total")) for w in demo.DEFAULT_WORKLOADS}
+
+
+def host_header_binds() -> tuple[list[tuple[str, bool]], str]:
+    """The host's kernel header paths as a deployment would mount them (read-only, same paths),
+    and the source the agent must then name (what this host offers without BCC_KERNEL_SOURCE)."""
+    try:
+        headers = find_kernel_headers(environ={})
+    except ProbesUnavailable:
+        headers = None
+    need(headers is not None and headers.source in (HEADERS_FROM_HOST, HEADERS_FROM_HOST_MERGED),
+         "needs kernel headers on the host (/lib/modules/$(uname -r)/build or `bash deploy/setup.sh install`)")
+    assert headers is not None
+    return [(path, True) for path in HOST_HEADER_PATHS if Path(path).is_dir()], headers.source
+
+
+def agent_memory(cgroup_path: str) -> dict[str, float]:
+    """MiB: the agent process's resident memory now and at its peak, and the peak of its
+    container cgroup (that includes the short-lived BCC compiler child, which the DaemonSet's
+    memory limit covers too; v2 memory.peak, or v1 max_usage_in_bytes in hybrid mode)."""
+    mounts = cgroups.detect()
+    pids = cgroups.read_pids(mounts.v2_dir(cgroup_path))
+    agent = next(pid for pid in pids if "agent" in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{agent}/status").read_text().splitlines())
+    found = {"rss": int(status["VmRSS"].split()[0]) / 1024, "rss_peak": int(status["VmHWM"].split()[0]) / 1024}
+    memory_v1 = mounts.v1_controller("memory")
+    for peak in (mounts.v2_dir(cgroup_path) / "memory.peak",
+                 *(() if memory_v1 is None else (memory_v1 / cgroup_path.lstrip("/") / "memory.max_usage_in_bytes",))):
+        if peak.exists():
+            found["cgroup_peak"] = int(peak.read_text()) / MIB
+            break
+    return found
+
+
+def headers_in_log(log: Path) -> tuple[float, str, str]:
+    """(compile+load seconds, header path, source) from the agent's log line for the probes unit."""
+    match = re.search(r"BPF unit probes compiled and loaded in ([0-9.]+) s against kernel headers (\S+) "
+                      r"\(([^:)]+)", log.read_text())
+    assert match, f"no kernel-headers line in the agent log:\n{log.read_text()[-6000:]}"
+    return float(match.group(1)), match.group(2), match.group(3)
+
+
+@pytest.mark.parametrize(("own_cgroupns", "headers"), [
+    pytest.param(True, "bundled", id="private-cgroupns"),
+    pytest.param(False, "bundled", id="host-cgroupns"),
+    pytest.param(True, "host", id="private-cgroupns-host-headers"),
+])
+def test_agent_from_image_as_the_daemonset_runs_it(image_rootfs: Path, tmp_path: Path, own_cgroupns: bool,
+                                                   headers: str) -> None:
     need(shutil.which("mount") is not None, "needs mount(8) for the overlay rootfs")
     ds = rendered_daemonset()
+    header_binds, want_source = host_header_binds() if headers == "host" else ([], HEADERS_FROM_BUNDLED)
     port = free_port()
     base = tmp_path / "node"
     dirs = demo.default_lab_dirs(base)
@@ -412,7 +509,7 @@ def test_agent_from_image_as_the_daemonset_runs_it(image_rootfs: Path, tmp_path:
                         f"--runc-root={dirs['runc_root']}"],
             extra_env={"GPUWATCH_SIM_STATE": str(sim.state_path)},
             extra_binds=[(str(sim.libraries.lib_dir), True), (str(sim.root), False),
-                         (str(dirs["bundle_root"]), True), (str(dirs["runc_root"]), True)])
+                         (str(dirs["bundle_root"]), True), (str(dirs["runc_root"]), True), *header_binds])
         rootfs = stack.enter_context(overlay(image_rootfs, tmp_path / "overlay"))
         bundle = tmp_path / "bundle"
         bundle.mkdir()
@@ -422,21 +519,43 @@ def test_agent_from_image_as_the_daemonset_runs_it(image_rootfs: Path, tmp_path:
             containers = demo.start_workloads(lab, sim)  # after the agent: the probes see every allocation
             agent_pids = cgroups.read_pids(cgroups.detect().v2_dir(cgroup_path))
             assert agent_pids, "the agent runs in its pod cgroup"
+            assert not [m for m in config["mounts"] if m["destination"] in HOST_HEADER_PATHS] or headers == "host"
             private = os.readlink(f"/proc/{agent_pids[0]}/ns/cgroup") != os.readlink("/proc/self/ns/cgroup")
             assert private is own_cgroupns
 
+            # what the simulated driver holds for each pod (its one process): the workload's memory
+            # plus its CUDA context's objects (the sim speaks like real CUDA: README "Driver traffic")
+            ledger = {c.pod: pod_ledger(sim, c) for c in containers}
+            assert all(e.memory_bytes >= w.memory_mib * MIB and e.rm_objects >= 1
+                       for w in demo.DEFAULT_WORKLOADS for e in (ledger[w.pod],)), ledger
+
             def every_pod_counted() -> bool:
                 text = scrape(port)
-                return all(value(text, "gpuwatch_container_allocations_total", pod=w.pod) == 1
+                return all(value(text, "gpuwatch_container_allocations_total", pod=w.pod) == ledger[w.pod].rm_objects
                            and value(text, "gpuwatch_container_memory_bytes", pod=w.pod) is not None
                            for w in demo.DEFAULT_WORKLOADS)
-            wait_until(every_pod_counted, 60, "every pod's memory and probe counters in /metrics", log)
+            wait_until(every_pod_counted, 60, "every pod's memory and probe counters in /metrics", log,
+                       lambda: f"ledger {ledger}; exported {pod_counters(scrape(port))}")
             text = scrape(port)
             for w in demo.DEFAULT_WORKLOADS:
                 assert value(text, "gpuwatch_container_memory_bytes", namespace=w.namespace, pod=w.pod,
-                             container=w.container, gpu=str(w.gpu)) == w.memory_mib * MIB, w
-                assert value(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == w.memory_mib * MIB, w
+                             container=w.container, gpu=str(w.gpu)) == ledger[w.pod].memory_bytes, w
+                assert value(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == ledger[w.pod].rm_memory_bytes, w
             assert value(text, "gpuwatch_probes_up") == 1
+            compile_s, header_path, source = headers_in_log(log)
+            assert source == want_source, (header_path, source)
+            if headers == "bundled":
+                assert header_path == str(BUNDLED_HEADERS)
+            memory = agent_memory(cgroup_path)
+            # doctor in the container (as `kubectl exec` would run it) names the same tree
+            doctor = agent.exec(ENTRYPOINT, "doctor", "--json")
+            assert doctor.returncode == 0, doctor.stderr
+            (check,) = [c for c in json.loads(doctor.stdout) if c["name"] == "kernel-headers"]
+            assert check["status"] == "ok" and check["found"].startswith(f"{header_path} ({want_source}"), check
+            print(f"\n[image agent: {headers} headers, {'private' if own_cgroupns else 'host'} cgroupns] "
+                  f"probes compiled+loaded in {compile_s:.2f} s; runc run -> /metrics served (probes attached) "
+                  f"{agent.serving_s:.2f} s; agent RSS {memory['rss']:.0f} MiB (peak {memory['rss_peak']:.0f}); "
+                  f"container cgroup peak {memory.get('cgroup_peak', float('nan')):.0f} MiB; doctor: {check['found']}")
             # a probe counter whose cgroup id the agent could not map to the path of a cgroup that
             # exists (the issue's symptom). Ids of cgroups already removed cannot be named by
             # anyone: seen rarely while other tests' containers came and went on this machine.
@@ -449,7 +568,7 @@ def test_agent_from_image_as_the_daemonset_runs_it(image_rootfs: Path, tmp_path:
             wait_until(lambda: is_frozen(paused), 30, f"the policy to pause {PAUSED_POD}", log)
             assert not [c.name for c in containers if c is not paused and is_frozen(c)], "only the matched pod"
         # the agent got SIGTERM (as the kubelet stops a pod): it thaws what it froze
-        assert agent.returncode == 0, log.read_text()[-6000:]
+        assert agent.proc.returncode == 0, log.read_text()[-6000:]
         assert not is_frozen(paused), "SIGTERM thaws what the agent froze"
         assert not cgroups.detect().v2_dir(str(Path(cgroup_path).parent)).exists(), "the agent's pod cgroup is gone"
     records = [json.loads(line) for line in (writable["audit"] / "audit.jsonl").read_text().splitlines()]
