@@ -8,14 +8,18 @@ Output: per container per GPU usage, rollups per pod and per namespace, and the 
 state. Processes without an identity go to the `HOST_IDENTITY` bucket -- nothing is
 dropped.
 
-Kernel seconds are a counter: the integral over time of the container's SM
-utilisation ratio on that GPU (a container keeping one GPU fully busy for 10 s gains
-10 s). The integral is kept per (container key, GPU uuid) in the state, so it survives
-processes starting and exiting inside the container, and it never goes backwards. The
-rectangle rule uses the utilisation read *now* over the time since the previous sweep,
-because NVML's per-process utilisation describes the period that just ended. `dt` is
-clamped to [0, max_dt_s] so a clock jump or a long stall (e.g. the GPU backend was down)
-cannot add a burst of made-up seconds.
+Kernel seconds are a counter: the GPU time the container's processes ran on that GPU (a
+container keeping one GPU fully busy for 10 s gains 10 s). Where the backend integrates
+NVML's process samples by the time each covers (`GpuProcess.kernel_seconds`, gpu/samples.py)
+those seconds are added as they are; otherwise the rectangle rule takes the utilisation read
+*now* over the time since the previous sweep. Per GPU, the containers' seconds in one sweep
+never exceed the GPU's busy time (its utilisation x the interval): where they would, they
+are scaled down proportionally and the sweep is counted (`AttributionState.kernel_time_scaled`,
+exported as gpuwatch_gpu_kernel_time_scaled_total). A container's SM utilisation ratio is
+its seconds over the interval. The integral is kept per (container key, GPU uuid) in the
+state, so it survives processes starting and exiting inside the container, and it never goes
+backwards. `dt` is clamped to [0, max_dt_s] so a clock jump or a long stall (e.g. the GPU
+backend was down) cannot add a burst of made-up seconds.
 
 Counters of keys that are no longer in the sweeps (a container between two GPU processes,
 or gone for good) are retired, not dropped: a container whose process restarts continues
@@ -47,6 +51,7 @@ from gpuwatch.model import (
     HOST_IDENTITY,
     ContainerIdentity,
     ContainerUsage,
+    DeviceInfo,
     GpuProcess,
     GpuSweep,
     GroupUsage,
@@ -200,6 +205,8 @@ class AttributionState:
     containers: CounterTable = field(default_factory=CounterTable)
     pods: CounterTable = field(default_factory=CounterTable)
     namespaces: CounterTable = field(default_factory=CounterTable)
+    # per GPU uuid: sweeps whose containers' kernel seconds were scaled down to the GPU's busy time
+    kernel_time_scaled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ class _Acc:
     gpu_uuid: str
     memory_bytes: int = 0
     sm_utilization: float = 0.0
+    kernel_seconds: float | None = None  # from NVML samples; None: none of its processes has them
     processes: list[ProcessUsage] = field(default_factory=list)
 
 
@@ -250,9 +258,16 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
     increments: dict[CounterKey, float] = {}
     usages_by_key: dict[CounterKey, _Acc] = {}
     for key, acc in accs.items():
-        acc.sm_utilization = min(acc.sm_utilization, 1.0)
-        increments[key] = acc.sm_utilization * dt_s
+        if acc.kernel_seconds is not None and state.last_timestamp_s is not None:
+            increments[key] = acc.kernel_seconds
+        else:
+            increments[key] = min(acc.sm_utilization, 1.0) * dt_s
         usages_by_key[key] = acc
+    scaled = _cap_to_device_busy(increments, usages_by_key, sweep.devices, dt_s, state.kernel_time_scaled)
+    for key, acc in usages_by_key.items():
+        if acc.kernel_seconds is not None and dt_s > 0:
+            acc.sm_utilization = increments[key] / dt_s
+        acc.sm_utilization = min(acc.sm_utilization, 1.0)
     container_counters = state.containers.advance(increments, now_s, retention_s=retention_s,
                                                   max_retired=max_retired)
 
@@ -284,8 +299,33 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
         pods=_groups(pod_groups, pod_counters),
         namespaces=_groups(ns_groups, ns_counters),
         state=AttributionState(last_timestamp_s=now_s, containers=container_counters, pods=pod_counters,
-                               namespaces=ns_counters),
+                               namespaces=ns_counters, kernel_time_scaled=scaled),
     )
+
+
+def _cap_to_device_busy(increments: dict[CounterKey, float], accs: Mapping[CounterKey, _Acc],
+                        devices: Iterable[DeviceInfo], dt_s: float, scaled: Mapping[str, int]
+                        ) -> Mapping[str, int]:
+    """Per GPU, the containers' kernel seconds in this sweep never exceed the GPU's busy time
+    (NVML utilisation x interval): where they would, scale them down proportionally (in
+    place) and count the sweep for that GPU. Returns the updated counts. GPUs without a
+    utilisation reading are left as they are."""
+    busy_s = {d.uuid: d.utilization_gpu_ratio * dt_s for d in devices
+              if d.utilization_gpu_ratio is not None and dt_s > 0}
+    on_gpu: dict[str, list[CounterKey]] = {}
+    for key, acc in accs.items():
+        on_gpu.setdefault(acc.gpu_uuid, []).append(key)
+    counts = dict(scaled)
+    for uuid, keys in on_gpu.items():
+        total = sum(increments[k] for k in keys)
+        limit = busy_s.get(uuid)
+        if limit is None or total <= limit + 1e-9:
+            continue
+        factor = limit / total
+        for k in keys:
+            increments[k] *= factor
+        counts[uuid] = counts.get(uuid, 0) + 1
+    return MappingProxyType(counts)
 
 
 def _accumulate(processes: Iterable[GpuProcess], identities: Mapping[int, ProcessIdentity]
@@ -304,6 +344,8 @@ def _accumulate(processes: Iterable[GpuProcess], identities: Mapping[int, Proces
             acc.memory_bytes += proc.memory_bytes
         if proc.sm_utilization_ratio is not None:
             acc.sm_utilization += proc.sm_utilization_ratio
+        if proc.kernel_seconds is not None:
+            acc.kernel_seconds = (acc.kernel_seconds or 0.0) + proc.kernel_seconds
         acc.processes.append(ProcessUsage(
             pid=proc.pid,
             container_pid=pident.container_pid if pident is not None else None,

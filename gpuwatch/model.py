@@ -95,6 +95,9 @@ class GpuProcess:
     memory_bytes: int | None
     kind: ProcessKind = ProcessKind.COMPUTE
     sm_utilization_ratio: float | None = None
+    # GPU seconds the process ran since the backend's previous sweep, from NVML's samples by
+    # the time each covers (gpu/samples.py); None: the backend has no samples (share x interval)
+    kernel_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -371,6 +374,7 @@ class Snapshot:
     cuda_driver_version: int | None = None
     progress: tuple[ContainerProgress, ...] = ()  # per container that declared a progress file
     enforcement: tuple[ContainerEnforcement, ...] = ()  # the enforcer's view (agent with --policy)
+    kernel_time_scaled: tuple[tuple[str, int], ...] = ()  # (gpu uuid, sweeps scaled to its busy time)
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)

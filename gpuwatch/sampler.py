@@ -254,7 +254,7 @@ class Sampler:
             interval_s=self.interval_s, simulated=any(d.simulated for d in sweep.devices),
             notes=notes + sweep.errors, gpu_errors_total=self._gpu_errors_total, signals=signals,
             driver_version=sweep.driver_version, cuda_driver_version=sweep.cuda_driver_version,
-            progress=progress,
+            progress=progress, kernel_time_scaled=tuple(sorted(result.state.kernel_time_scaled.items())),
         )
 
     def _signals(self, devices: Sequence[DeviceInfo] | None, topology: GpuTopology | None,

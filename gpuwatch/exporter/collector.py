@@ -126,6 +126,10 @@ class SnapshotCollector(Collector):
                                     labels=[*GPU_LABELS, "reason", "xid"])
         xid = CounterMetricFamily("gpuwatch_gpu_xid_errors", "Xid errors seen since the agent started.",
                                   labels=GPU_LABELS)
+        scaled = CounterMetricFamily("gpuwatch_gpu_kernel_time_scaled",
+                                     "Sweeps in which the containers' kernel seconds on this GPU exceeded its busy "
+                                     "time (utilisation x interval) and were scaled down to it.", labels=GPU_LABELS)
+        scaled_by_gpu = dict(s.kernel_time_scaled)
         info = InfoMetricFamily("gpuwatch_gpu", "Static GPU facts.",
                                 labels=[*GPU_LABELS, "pci_bus_id", "mig", "parent_uuid", "simulated"])
         for d in s.devices:
@@ -138,20 +142,22 @@ class SnapshotCollector(Collector):
                     family.add_metric(labels, float(value))
             healthy.add_metric([*labels, *health_reason(s, d.index, d.healthy)], 1.0 if d.healthy else 0.0)
             xid.add_metric(labels, d.xid_errors_total)
+            scaled.add_metric(labels, scaled_by_gpu.get(d.uuid, 0))
             info.add_metric(labels, {"pci_bus_id": d.pci_bus_id or "", "mig": str(d.is_mig).lower(),
                                      "parent_uuid": d.parent_uuid or "",
                                      "simulated": str(d.simulated).lower()})
-        return [total, used, free, util, mem_util, temp, power, power_limit, healthy, xid, info]
+        return [total, used, free, util, mem_util, temp, power, power_limit, healthy, xid, scaled, info]
 
     def _containers(self, s: Snapshot) -> list[Metric]:
         memory = GaugeMetricFamily("gpuwatch_container_memory_bytes",
                                    "GPU memory held by the container's processes on this GPU.",
                                    labels=CONTAINER_LABELS)
         sm = GaugeMetricFamily("gpuwatch_container_sm_utilization_ratio",
-                               "Sum of the container's processes' SM utilisation on this GPU (0-1).",
+                               "The container's kernel seconds on this GPU over the last interval (0-1).",
                                labels=CONTAINER_LABELS)
         kernel = CounterMetricFamily("gpuwatch_container_kernel_seconds",
-                                     "Integral of the container's SM utilisation on this GPU over time.",
+                                     "GPU seconds the container's processes ran on this GPU (NVML's samples by "
+                                     "the time each covers, at most the GPU's busy time).",
                                      labels=CONTAINER_LABELS)
         procs = GaugeMetricFamily("gpuwatch_container_processes",
                                   "Processes of the container on this GPU.", labels=CONTAINER_LABELS)

@@ -13,8 +13,11 @@ How it reads (modelled on nvitop's NVML handling):
 * Errors that mean "no NVML at all" (uninitialised, driver not loaded, library/driver
   mismatch, the device count changed or cannot be read) raise `NvmlCallFailed` so the
   sampler marks the GPU backend down and recreates the backend later.
-* `NVML_ERROR_NOT_FOUND` from the process-utilisation call means "no new samples since
-  the last-seen timestamp"; the previous value is then held for `util_hold_s`.
+* Kernel time: `nvmlDeviceGetProcessUtilization` with the last-seen timestamp returns the
+  samples since the last read; each stands for the period it covers (gpu/samples.py), so a
+  process's GPU seconds are what its samples cover, never its average share x the interval.
+  `NVML_ERROR_NOT_FOUND` means "no new samples": the previous *share* is held for
+  `util_hold_s`, and no seconds are charged.
 * Health inputs: per sweep, the Xid codes drained from the event set, GPU_IS_LOST, the
   volatile uncorrectable ECC count and the row-remapping failure flag (two calls per
   GPU); the CUDA compute capability is static.
@@ -42,6 +45,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
+from gpuwatch.gpu.samples import SampleTimeline, integrate
 from gpuwatch.model import (
     DeviceInfo,
     GpuLink,
@@ -129,7 +133,7 @@ class _Device:
     mig_enabled: bool = False  # a parent whose processes live on its MIG instances
     memory_v2: bool = True
     unsupported: set[str] = field(default_factory=set)
-    last_util_timestamp_us: int = 0
+    util_timeline: SampleTimeline = field(default_factory=SampleTimeline)  # process-utilisation samples read
     held_util: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (ratio, seen_s)
     buffers: dict[str, tuple[int, Any]] = field(default_factory=dict)  # NVML function -> (capacity, array)
     process_objects: dict[tuple[Any, ...], GpuProcess] = field(default_factory=dict)
@@ -583,7 +587,7 @@ class NvmlBackend:
                 if kept is not None and (memory is None or kept > memory):
                     memory = kept  # listed as both (C+G): one allocation, keep the larger
                 merged[pid] = (memory, pkind)
-        utils = self._read_process_utilization(dev, now_s, merged) if not dev.is_mig else {}
+        utils, seconds = self._read_process_utilization(dev, now_s, merged) if not dev.is_mig else ({}, None)
         for pid in utils:
             merged.setdefault(pid, (None, ProcessKind.COMPUTE))
         # Reuse last sweep's (immutable) objects for unchanged processes: most hold the same
@@ -591,55 +595,53 @@ class NvmlBackend:
         reuse, current = dev.process_objects, {}
         out: list[GpuProcess] = []
         for pid, (memory, kind) in merged.items():
-            key = (pid, memory, kind, utils.get(pid))
+            ran_s = None if seconds is None else seconds.get(pid, 0.0)
+            key = (pid, memory, kind, utils.get(pid), ran_s)
             proc = reuse.get(key)
             if proc is None:
                 proc = GpuProcess(pid=pid, gpu_uuid=dev.uuid, gpu_index=dev.index, memory_bytes=memory,
-                                  kind=kind, sm_utilization_ratio=key[3])
+                                  kind=kind, sm_utilization_ratio=key[3], kernel_seconds=ran_s)
             current[key] = proc
             out.append(proc)
         dev.process_objects = current
         return out
 
-    def _read_process_utilization(self, dev: _Device, now_s: float,
-                                  listed: dict[int, Any]) -> dict[int, float]:
-        """Per-pid SM utilisation: mean of the samples newer than the last-seen timestamp.
+    def _read_process_utilization(self, dev: _Device, now_s: float, listed: dict[int, Any]
+                                  ) -> tuple[dict[int, float], dict[int, float] | None]:
+        """(SM share per pid, GPU seconds per pid since the last read) from the samples newer
+        than the last-seen timestamp, integrated by the time they cover (gpu/samples.py).
 
-        No new samples for a pid still listed on the device -> its previous value, for
-        up to `util_hold_s` (NVML samples processes at its own period, which may be longer
-        than our interval). A pid no longer listed gets nothing held: it has exited.
+        Seconds are None when the call is not available (a backend without process samples:
+        attribution then falls back to share x interval). A listed pid without a sample in
+        the covered periods ran 0 in them. Only when the device produced no new sample at all
+        does a listed pid keep its previous *share* (for `util_hold_s`; NVML's sample period
+        may be longer than our interval) -- never seconds: those come with the samples.
         """
+        if "process_utilization" in dev.unsupported or dev.lost:
+            return {}, None
+        try:
+            samples = _list_call(dev, "nvmlDeviceGetProcessUtilization", _UtilSample, _UTIL_SAMPLE,
+                                 last_seen_us=dev.util_timeline.newest_us)
+        except pynvml.NVMLError as err:
+            if err.value != _NOT_FOUND:  # NOT_FOUND: no samples newer than last-seen
+                self._field(dev, "process_utilization", _raise, err)
+                return {}, None
+            samples = []
+        baseline = dev.util_timeline.newest_us == 0
+        read = integrate(((s[0], s[1], s[2]) for s in samples), dev.util_timeline)
         fresh: dict[int, float] = {}
-        if "process_utilization" not in dev.unsupported and not dev.lost:
-            try:
-                samples = _list_call(dev, "nvmlDeviceGetProcessUtilization", _UtilSample, _UTIL_SAMPLE,
-                                     last_seen_us=dev.last_util_timestamp_us)
-            except pynvml.NVMLError as err:
-                if err.value != _NOT_FOUND:  # NOT_FOUND: no samples newer than last-seen
-                    self._field(dev, "process_utilization", _raise, err)
-                samples = []
-            newest = dev.last_util_timestamp_us
-            percent: dict[int, int] = {}
-            several: dict[int, list[int]] = {}  # pids with more than one sample: averaged
-            for pid, timestamp_us, sm_percent in samples:
-                if pid in percent:
-                    several.setdefault(pid, [percent[pid]]).append(sm_percent)
-                percent[pid] = sm_percent
-                if timestamp_us > newest:
-                    newest = timestamp_us
-            fresh = {pid: min(p, 100) / 100.0 for pid, p in percent.items()}
-            for pid, values in several.items():
-                fresh[pid] = min(1.0, sum(values) / len(values) / 100.0)
-            dev.last_util_timestamp_us = newest
-        held = dev.held_util
+        if read.covered_s > 0:
+            fresh = {pid: read.ratio(pid) for pid in read.seconds_by_pid}
+        elif baseline and samples:  # the first read: shares from the samples, nothing charged
+            fresh = {int(pid): min(int(pct), 100) / 100.0 for pid, _, pct in samples}
+        if fresh or read.covered_s > 0:
+            fresh.update((pid, 0.0) for pid in listed if pid not in fresh)  # sampled periods: it ran 0
+            dev.held_util = {pid: (ratio, now_s) for pid, ratio in fresh.items() if pid in listed or ratio > 0}
+            return fresh, read.seconds_by_pid
         hold_s = self._util_hold_s
-        kept = {pid: (ratio, seen_s) for pid, (ratio, seen_s) in held.items()
-                if pid not in fresh and pid in listed and now_s - seen_s <= hold_s}
-        result = {pid: ratio for pid, (ratio, _) in kept.items()}
-        result.update(fresh)
-        kept.update((pid, (ratio, now_s)) for pid, ratio in fresh.items())
-        dev.held_util = kept
-        return result
+        dev.held_util = kept = {pid: (ratio, seen_s) for pid, (ratio, seen_s) in dev.held_util.items()
+                                if pid in listed and now_s - seen_s <= hold_s}
+        return {pid: ratio for pid, (ratio, _) in kept.items()}, {}
 
 
 class _ProcessInfo(ctypes.Structure):
