@@ -13,10 +13,11 @@ container keeping one GPU fully busy for 10 s gains 10 s). Where the backend int
 NVML's process samples by the time each covers (`GpuProcess.kernel_seconds`, gpu/samples.py)
 those seconds are added as they are; otherwise the rectangle rule takes the utilisation read
 *now* over the time since the previous sweep. Per GPU, the containers' seconds in one sweep
-never exceed the GPU's busy time (its utilisation x the interval): where they would, they
-are scaled down proportionally and the sweep is counted (`AttributionState.kernel_time_scaled`,
-exported as gpuwatch_gpu_kernel_time_scaled_total). A container's SM utilisation ratio is
-its seconds over the interval. The integral is kept per (container key, GPU uuid) in the
+never exceed the GPU's busy time (its utilisation x the interval, unspent busy time carried
+to the next sweeps for at most BUSY_CARRY_S): where they would, they are scaled down
+proportionally and the sweep is counted (`AttributionState.kernel_time_scaled`, exported as
+gpuwatch_gpu_kernel_time_scaled_total). A container's SM utilisation ratio is the sum of its
+processes' shares of the time their latest samples cover. The integral is kept per (container key, GPU uuid) in the
 state, so it survives processes starting and exiting inside the container, and it never goes
 backwards. `dt` is clamped to [0, max_dt_s] so a clock jump or a long stall (e.g. the GPU
 backend was down) cannot add a burst of made-up seconds.
@@ -58,6 +59,8 @@ from gpuwatch.model import (
     ProcessIdentity,
     ProcessUsage,
 )
+
+BUSY_CARRY_S = 6.0  # busy seconds a GPU carries to later sweeps (the NVML backend's longest gap between sample reads)
 
 CounterKey = tuple[str, ...]
 """(container key, gpu uuid) for containers; (namespace, pod, pod uid) for pods; (namespace,)."""
@@ -207,6 +210,8 @@ class AttributionState:
     namespaces: CounterTable = field(default_factory=CounterTable)
     # per GPU uuid: sweeps whose containers' kernel seconds were scaled down to the GPU's busy time
     kernel_time_scaled: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # per GPU uuid: busy seconds (utilisation x interval) not yet matched by charged kernel seconds
+    busy_unspent_s: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -263,10 +268,8 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
         else:
             increments[key] = min(acc.sm_utilization, 1.0) * dt_s
         usages_by_key[key] = acc
-    scaled = _cap_to_device_busy(increments, usages_by_key, sweep.devices, dt_s, state.kernel_time_scaled)
-    for key, acc in usages_by_key.items():
-        if acc.kernel_seconds is not None and dt_s > 0:
-            acc.sm_utilization = increments[key] / dt_s
+    scaled, unspent = _cap_to_device_busy(increments, usages_by_key, sweep.devices, dt_s, state)
+    for acc in usages_by_key.values():
         acc.sm_utilization = min(acc.sm_utilization, 1.0)
     container_counters = state.containers.advance(increments, now_s, retention_s=retention_s,
                                                   max_retired=max_retired)
@@ -299,33 +302,38 @@ def attribute(sweep: GpuSweep, identities: Mapping[int, ProcessIdentity], state:
         pods=_groups(pod_groups, pod_counters),
         namespaces=_groups(ns_groups, ns_counters),
         state=AttributionState(last_timestamp_s=now_s, containers=container_counters, pods=pod_counters,
-                               namespaces=ns_counters, kernel_time_scaled=scaled),
+                               namespaces=ns_counters, kernel_time_scaled=scaled, busy_unspent_s=unspent),
     )
 
 
 def _cap_to_device_busy(increments: dict[CounterKey, float], accs: Mapping[CounterKey, _Acc],
-                        devices: Iterable[DeviceInfo], dt_s: float, scaled: Mapping[str, int]
-                        ) -> Mapping[str, int]:
-    """Per GPU, the containers' kernel seconds in this sweep never exceed the GPU's busy time
-    (NVML utilisation x interval): where they would, scale them down proportionally (in
-    place) and count the sweep for that GPU. Returns the updated counts. GPUs without a
-    utilisation reading are left as they are."""
-    busy_s = {d.uuid: d.utilization_gpu_ratio * dt_s for d in devices
-              if d.utilization_gpu_ratio is not None and dt_s > 0}
+                        devices: Iterable[DeviceInfo], dt_s: float, state: AttributionState
+                        ) -> tuple[Mapping[str, int], Mapping[str, float]]:
+    """Per GPU, the containers' kernel seconds never exceed the GPU's busy time (NVML
+    utilisation x interval): where this sweep's seconds would exceed the busy time not yet
+    matched by earlier sweeps' seconds, they are scaled down proportionally (in place) and the
+    sweep is counted for that GPU. Busy time carries over (at most BUSY_CARRY_S) because the
+    samples of a period arrive with a later read: a backend that reads process samples every
+    few sweeps charges their seconds at once. GPUs without a utilisation reading are left as
+    they are. Returns the updated (counts, unspent busy seconds)."""
     on_gpu: dict[str, list[CounterKey]] = {}
     for key, acc in accs.items():
         on_gpu.setdefault(acc.gpu_uuid, []).append(key)
-    counts = dict(scaled)
-    for uuid, keys in on_gpu.items():
-        total = sum(increments[k] for k in keys)
-        limit = busy_s.get(uuid)
-        if limit is None or total <= limit + 1e-9:
+    counts, unspent = dict(state.kernel_time_scaled), {}
+    for d in devices:
+        if d.utilization_gpu_ratio is None:
             continue
-        factor = limit / total
-        for k in keys:
-            increments[k] *= factor
-        counts[uuid] = counts.get(uuid, 0) + 1
-    return MappingProxyType(counts)
+        budget = min(state.busy_unspent_s.get(d.uuid, 0.0) + d.utilization_gpu_ratio * dt_s, BUSY_CARRY_S)
+        keys = on_gpu.get(d.uuid, ())
+        total = sum(increments[k] for k in keys)
+        if total > budget + 1e-9:
+            factor = budget / total
+            for k in keys:
+                increments[k] *= factor
+            counts[d.uuid] = counts.get(d.uuid, 0) + 1
+            total = budget
+        unspent[d.uuid] = budget - total
+    return MappingProxyType(counts), MappingProxyType(unspent)
 
 
 def _accumulate(processes: Iterable[GpuProcess], identities: Mapping[int, ProcessIdentity]

@@ -134,6 +134,8 @@ class _Device:
     memory_v2: bool = True
     unsupported: set[str] = field(default_factory=set)
     util_timeline: SampleTimeline = field(default_factory=SampleTimeline)  # process-utilisation samples read
+    util_call_cpu_s: float = 0.0  # CPU one nvmlDeviceGetProcessUtilization costs here (moving average)
+    next_util_read_s: float = 0.0  # clock time from which the next sweep reads the samples
     held_util: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (ratio, seen_s)
     buffers: dict[str, tuple[int, Any]] = field(default_factory=dict)  # NVML function -> (capacity, array)
     process_objects: dict[tuple[Any, ...], GpuProcess] = field(default_factory=dict)
@@ -149,13 +151,21 @@ class _Device:
         return self.mig_index is not None
 
 
+DEFAULT_UTIL_CPU_BUDGET_RATIO = 0.003  # of one core, for all GPUs' process-sample reads together
+MAX_UTIL_READ_GAP_S = 6.0  # half the driver's 72-sample ring at 1/6 s: no sample is lost
+
+
 class NvmlBackend:
     """GpuBackend over NVML (pynvml). One instance per nvmlInit/nvmlShutdown pair."""
 
     def __init__(self, library_path: str | None = None, util_hold_s: float = 3.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 util_cpu_budget_ratio: float = DEFAULT_UTIL_CPU_BUDGET_RATIO,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._util_hold_s = util_hold_s
+        self._util_cpu_budget_ratio = util_cpu_budget_ratio
         self.errors_total = 0
         self._sweep_errors: list[str] = []
         path = library_path or os.environ.get(ENV_LIBRARY) or None
@@ -619,6 +629,9 @@ class NvmlBackend:
         """
         if "process_utilization" in dev.unsupported or dev.lost:
             return {}, None
+        if now_s < dev.next_util_read_s:  # not due (cadence below): shares as last read, seconds later
+            return {pid: ratio for pid, (ratio, _) in dev.held_util.items() if pid in listed}, {}
+        cpu_start = self._cpu_clock()
         try:
             samples = _list_call(dev, "nvmlDeviceGetProcessUtilization", _UtilSample, _UTIL_SAMPLE,
                                  last_seen_us=dev.util_timeline.newest_us)
@@ -627,6 +640,7 @@ class NvmlBackend:
                 self._field(dev, "process_utilization", _raise, err)
                 return {}, None
             samples = []
+        self._schedule_util_read(dev, now_s, self._cpu_clock() - cpu_start)
         baseline = dev.util_timeline.newest_us == 0
         read = integrate(((s[0], s[1], s[2]) for s in samples), dev.util_timeline)
         fresh: dict[int, float] = {}
@@ -642,6 +656,21 @@ class NvmlBackend:
         dev.held_util = kept = {pid: (ratio, seen_s) for pid, (ratio, seen_s) in dev.held_util.items()
                                 if pid in listed and now_s - seen_s <= hold_s}
         return {pid: ratio for pid, (ratio, _) in kept.items()}, {}
+
+
+    def _schedule_util_read(self, dev: _Device, now_s: float, call_cpu_s: float) -> None:
+        """When the next sweep reads this device's samples. nvmlDeviceGetProcessUtilization is
+        NVML's costly call (1.8 ms of CPU on an H100 with driver 580, against 1-80 us for the
+        others: ../shared/real-gpu/README.md section 3), and the driver keeps the samples (a
+        ring of 72 periods, 12 s at 1/6 s), so one call collects all since the last: the reads
+        of all GPUs together may cost at most `util_cpu_budget_ratio` of a core, never more than
+        MAX_UTIL_READ_GAP_S apart (half the ring). Memory and process lists stay every sweep."""
+        dev.util_call_cpu_s = call_cpu_s if dev.util_call_cpu_s == 0.0 else 0.8 * dev.util_call_cpu_s + 0.2 * call_cpu_s
+        if self._util_cpu_budget_ratio <= 0:
+            return
+        all_devices_cpu_s = dev.util_call_cpu_s * max(1, len(self._devices))
+        gap_s = min(all_devices_cpu_s / self._util_cpu_budget_ratio, MAX_UTIL_READ_GAP_S)
+        dev.next_util_read_s = now_s + gap_s
 
 
 class _ProcessInfo(ctypes.Structure):

@@ -106,7 +106,7 @@ def test_containers_never_exceed_the_gpus_busy_time_and_scaling_is_counted() -> 
     by_key = {c.identity.container_id: c for c in result.containers}
     assert by_key["c1"].kernel_seconds_total == pytest.approx(0.4)
     assert by_key["c2"].kernel_seconds_total == pytest.approx(0.2)
-    assert by_key["c1"].sm_utilization_ratio == pytest.approx(0.4)
+    assert by_key["c1"].sm_utilization_ratio == pytest.approx(0.5)  # its process's share of its samples
     assert dict(result.state.kernel_time_scaled) == {"GPU-0": 1}
     # within the busy time: added as sampled, nothing counted
     again = attribute(_sweep(102.0, 0.9, {1: 0.5, 2: 0.3}), ids, result.state, "n")
@@ -122,3 +122,23 @@ def test_a_process_without_samples_falls_back_to_share_times_interval() -> None:
     sweep = GpuSweep(timestamp_s=12.0, devices=_sweep(0, None, {}).devices, processes=(proc,))
     result = attribute(sweep, ids, state, "n")
     assert result.containers[0].kernel_seconds_total == pytest.approx(0.5)
+
+
+def test_seconds_read_every_few_sweeps_spend_the_busy_time_of_those_sweeps() -> None:
+    """A backend that reads process samples every third sweep charges three sweeps' seconds at
+    once: the busy time of the sweeps in between carries over, so nothing is scaled."""
+    ids = _identities(1)
+    state = attribute(_sweep(0.0, 0.5, {1: 0.0}), ids, AttributionState(), "n").state
+    total = 0.0
+    for k in range(1, 10):
+        seconds = 1.5 if k % 3 == 0 else 0.0  # 3 sweeps x 0.5 busy
+        result = attribute(_sweep(float(k), 0.5, {1: seconds}), ids, state, "n")
+        state = result.state
+        total = result.containers[0].kernel_seconds_total
+    assert total == pytest.approx(4.5) and dict(state.kernel_time_scaled) == {}
+    # the carried busy time is bounded: a long idle stretch cannot pay for a later burst
+    for k in range(10, 40):
+        state = attribute(_sweep(float(k), 1.0, {1: 0.0}), ids, state, "n").state
+    burst = attribute(_sweep(40.0, 1.0, {1: 30.0}), ids, state, "n")
+    assert burst.containers[0].kernel_seconds_total == pytest.approx(4.5 + 6.0)
+    assert dict(burst.state.kernel_time_scaled) == {"GPU-0": 1}
