@@ -28,6 +28,64 @@ if TYPE_CHECKING:  # the probes meet the enforcer's protocol here, where the age
 log = logging.getLogger("gpuwatch.agent")
 
 
+
+# Packages whose `__init__` imports far more than the agent uses: prometheus_client's pulls
+# in its HTTP servers, push gateway client and ASGI/WSGI apps (http.server, wsgiref, email,
+# urllib.request, ssl with libssl/libcrypto): ~7 MiB of the agent's RSS, for the metric
+# family classes and the registry that live in its submodules.
+DEFERRED_PACKAGES = ("prometheus_client",)
+
+
+def defer_package_init(name: str) -> bool:
+    """Import package `name` without running its `__init__` until a name defined there is used.
+
+    Installs a module object for the package with its real `__spec__` and `__path__`, so its
+    submodules (`prometheus_client.core`, `.registry`, ...) import as usual and each pulls in
+    only what it needs. The first access to any other attribute (`from prometheus_client
+    import generate_latest`, `prometheus_client.Counter`) runs the real `__init__` in that
+    same module object, once, under a lock, and the module is an ordinary module from then on:
+    code that wants the whole package still gets it. Does nothing (False) when the package is
+    already imported or not installed. Why: RSS -- see DEFERRED_PACKAGES.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    if name in sys.modules:
+        return False
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
+        return False
+    loader = spec.loader
+    lock = threading.RLock()
+
+    class _DeferredPackage(types.ModuleType):
+        def __getattr__(self, attr: str) -> Any:
+            if attr.startswith("__") and attr != "__all__":
+                raise AttributeError(attr)  # dunder probes (copy, pickle, inspect) need no load
+            try:
+                submodule = importlib.util.find_spec(f"{name}.{attr}")
+            except (ImportError, ValueError):
+                submodule = None
+            if submodule is not None:
+                # `from pkg import submodule` asks hasattr() first: the import system then
+                # imports the submodule itself, without the package's __init__
+                raise AttributeError(attr)
+            with lock:
+                if type(self) is _DeferredPackage:
+                    self.__class__ = types.ModuleType  # type: ignore[assignment]  # an ordinary module now
+                    loader.exec_module(self)
+            return getattr(self, attr)
+
+    module = _DeferredPackage(name)
+    module.__spec__ = spec
+    module.__loader__ = loader
+    module.__file__ = spec.origin
+    module.__package__ = name
+    module.__path__ = list(spec.submodule_search_locations)
+    sys.modules[name] = module
+    return True
+
 @dataclass(frozen=True)
 class AgentConfig:
     listen_host: str = "127.0.0.1"

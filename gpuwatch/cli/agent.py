@@ -114,8 +114,10 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
     For schedulers it exports GPU health (with the reason), per-pod Xids, GPU topology,
     network and node rollups, and with --nfd-features-file keeps NFD labels up to date.
     """
-    from gpuwatch.agent import AgentConfig, run_agent
+    from gpuwatch.agent import DEFERRED_PACKAGES, AgentConfig, defer_package_init, run_agent
 
+    for package in DEFERRED_PACKAGES:  # before anything imports it: see DEFERRED_PACKAGES
+        defer_package_init(package)
     logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = parse_listen(listen, "--listen")

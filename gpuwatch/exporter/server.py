@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.registry import CollectorRegistry
 
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
 from gpuwatch.httpserve import BoundedServer, ServerLimits
@@ -60,7 +60,6 @@ def _plain(start_response: StartResponse, code: int, text: str, allow: str | Non
 
 def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | None,
          serve_snapshot: bool) -> WsgiApp:
-    metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
@@ -84,7 +83,9 @@ def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | Non
         accept = environ.get("HTTP_ACCEPT", "")
         if "format=openmetrics" in environ.get("QUERY_STRING", "") or (
                 "openmetrics" in accept and "text/plain" not in accept and "*/*" not in accept):
-            return metrics_app(environ, start_response)
+            from prometheus_client.exposition import make_wsgi_app
+
+            return make_wsgi_app(registry)(environ, start_response)
         body = render_text(registry)
         start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
         return [body]
