@@ -326,3 +326,111 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
                 except GpuwatchError as err:
                     log.error("enforcement step failed: %s", err)
         log.info("stopping: detaching probes, thawing frozen containers, closing endpoints")
+
+
+# -- the daemon process ----------------------------------------------------------------------
+#
+# `gpuwatch agent` parses its options with click, then hands the parsed AgentConfig to a fresh
+# interpreter in the same process (exec: same pid, same parent, same stdio) running
+# `python -m gpuwatch.agent`, which never imports click or the CLI: the daemon's RSS is what
+# it runs, not what parsed its command line (click and the CLI's modules: ~1.3 MiB, 5% of the
+# agent at a small node). GPUWATCH_AGENT_REEXEC=0 keeps the CLI's interpreter instead.
+
+CONFIG_ENV = "GPUWATCH_AGENT_CONFIG"  # the parsed config, JSON; read and removed by the daemon
+REEXEC_ENV = "GPUWATCH_AGENT_REEXEC"
+
+
+def config_to_json(config: AgentConfig) -> str:
+    """AgentConfig -> JSON (config_from_json reverses it exactly)."""
+    import dataclasses
+    import json
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if fields["bundle_roots"] is not None:
+        fields["bundle_roots"] = dataclasses.asdict(fields["bundle_roots"])
+    if fields["ignored_xids"] is not None:
+        fields["ignored_xids"] = sorted(fields["ignored_xids"])
+    return json.dumps(fields)
+
+
+def config_from_json(text: str) -> AgentConfig:
+    """The AgentConfig config_to_json wrote."""
+    import json
+
+    fields = json.loads(text)
+    if fields.get("bundle_roots") is not None:
+        from gpuwatch.containers import BundleRoots
+
+        fields["bundle_roots"] = BundleRoots(**{k: tuple(v) for k, v in fields["bundle_roots"].items()})
+    if fields.get("ignored_xids") is not None:
+        fields["ignored_xids"] = frozenset(fields["ignored_xids"])
+    if fields.get("webhook") is not None:
+        fields["webhook"] = (fields["webhook"][0], int(fields["webhook"][1]))
+    return AgentConfig(**fields)
+
+
+def run_until_signalled(config: AgentConfig, verbose: int) -> None:
+    """Log to stderr, run the agent until SIGTERM/SIGINT; SIGHUP asks for a policy reload."""
+    import signal
+    from types import FrameType
+
+    for package in DEFERRED_PACKAGES:  # before anything imports it: see DEFERRED_PACKAGES
+        defer_package_init(package)
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    reload_requested = threading.Event()
+
+    def _on_stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    def _on_hup(_signum: int, _frame: FrameType | None) -> None:
+        reload_requested.set()
+
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
+    signal.signal(signal.SIGHUP, _on_hup)
+    run_agent(config, stop, reload_requested)
+
+
+def exec_daemon(config: AgentConfig, verbose: int, argv: list[str]) -> None:
+    """Replace this process by `python -m gpuwatch.agent` running `config` (does not return).
+
+    `argv` (the CLI's arguments) follows for `ps` only; the config travels in CONFIG_ENV.
+    Raises OSError when the interpreter cannot be executed."""
+    import json
+    import sys
+
+    env = dict(os.environ)
+    env[CONFIG_ENV] = json.dumps({"config": config_to_json(config), "verbose": verbose})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "gpuwatch.agent", *argv], env)
+
+
+def daemon_main() -> int:
+    """`python -m gpuwatch.agent`: the agent of a config handed over by `gpuwatch agent`.
+
+    Errors are reported as the CLI reports them ("Error: ..." on stderr, exit status 1)."""
+    import json
+    import sys
+
+    payload = os.environ.pop(CONFIG_ENV, None)  # the agent's children do not inherit it
+    if payload is None:
+        print("Error: start the agent with `gpuwatch agent` (this module runs the config it hands over)",
+              file=sys.stderr)
+        return 2
+    handed = json.loads(payload)
+    try:
+        run_until_signalled(config_from_json(handed["config"]), int(handed["verbose"]))
+    except GpuwatchError as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(daemon_main())

@@ -8,9 +8,8 @@ thaws whatever the enforcer froze. SIGHUP reloads the policy.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from types import FrameType
+import os
+import sys
 
 import click
 
@@ -114,12 +113,8 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
     For schedulers it exports GPU health (with the reason), per-pod Xids, GPU topology,
     network and node rollups, and with --nfd-features-file keeps NFD labels up to date.
     """
-    from gpuwatch.agent import DEFERRED_PACKAGES, AgentConfig, defer_package_init, run_agent
+    from gpuwatch.agent import AgentConfig
 
-    for package in DEFERRED_PACKAGES:  # before anything imports it: see DEFERRED_PACKAGES
-        defer_package_init(package)
-    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = parse_listen(listen, "--listen")
     webhook = parse_listen(webhook_listen, "--webhook-listen") if webhook_listen else None
     config = AgentConfig(
@@ -135,17 +130,19 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
         nvml_error_sweeps=health_nvml_error_sweeps, network=network, network_exclude=_regex(network_exclude),
         bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
     )
-    stop = threading.Event()
-    reload_requested = threading.Event()
+    from gpuwatch.agent import REEXEC_ENV, exec_daemon, run_until_signalled
 
-    def _on_stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
+    if _is_the_cli_process() and os.environ.get(REEXEC_ENV, "1") != "0":
+        try:
+            exec_daemon(config, verbose, sys.argv[1:])  # the daemon without click: see gpuwatch.agent
+        except OSError as err:
+            log.warning("cannot start the lean daemon interpreter (%s): the agent runs in the CLI's", err)
+    run_until_signalled(config, verbose)
 
-    def _on_hup(_signum: int, _frame: FrameType | None) -> None:
-        reload_requested.set()
 
-    signal.signal(signal.SIGTERM, _on_stop)
-    signal.signal(signal.SIGINT, _on_stop)
-    signal.signal(signal.SIGHUP, _on_hup)
-    run_agent(config, stop, reload_requested)
+def _is_the_cli_process() -> bool:
+    """Whether this process is the `gpuwatch` command (script or `python -m gpuwatch`), which the
+    agent may replace by exec; not when the command is invoked inside another program (tests)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) == "gpuwatch.__main__" or os.path.basename(sys.argv[0]) == "gpuwatch"
