@@ -159,6 +159,9 @@ class ProcessIdentity:
     container_pid: int | None
     comm: str
     identity: ContainerIdentity
+    # the process's cgroup v2 path (what the kernel probes key its counters by); None: no v2
+    # line. On hybrid hosts it can differ from identity.cgroup_path (a v1 line named the container)
+    unified_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,18 @@ class ProbeCounters:
     # nvidia-uvm ioctls by their bare number (hex), apart from the RM escapes whose numbers they
     # collide with; managed memory itself is not RM bytes (issue 11)
     uvm_ioctl_calls_by_cmd: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ProcessProbe:
+    """One process's live bytes as the probes keep them per process (gw_tgids), with the
+    cgroup its per-cgroup counters go to. Read only where the per-cgroup counters cannot be
+    joined to containers whole (probe_join.py: hybrid hosts)."""
+
+    tgid: int
+    cgroup_id: int
+    allocated_bytes_by_gpu: tuple[tuple[int, int], ...] = ()  # decoded RM video memory (GPU -1: unknown)
+    cuda_allocated_bytes: int = 0  # libcuda uprobe bytes
 
 
 @dataclass(frozen=True)

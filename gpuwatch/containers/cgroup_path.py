@@ -23,9 +23,10 @@ Pod name/namespace/container name are not in the path; see metadata.py.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from gpuwatch.containers.slurm import SlurmPlace, find_slurm
 from gpuwatch.model import HOST_IDENTITY, ContainerIdentity
 
 # Runtime names reported in ContainerIdentity.runtime.
@@ -38,6 +39,8 @@ KUBEPODS = "kubepods"  # container under a kubepods pod dir with a bare id: runt
 SYSTEMD = "systemd"
 ECS = "ecs"  # AWS ECS on Fargate: container ids are <32-hex task id>-<digits>
 GARDEN = "garden"  # Cloud Foundry Garden: 8-4-4-4(-4) hex ids under garden.service
+SLURM = "slurm"  # Slurm job steps (slurmstepd's job_<N>/step_<M> cgroups): see slurm_identity
+LIBVIRT_LXC = "libvirt-lxc"  # libvirt LXC domains: machine-lxc\x2d<n>\x2d<name>.scope, <name>.libvirt-lxc
 HOST = "host"
 UNKNOWN = "unknown"
 
@@ -73,7 +76,7 @@ _RULES: tuple[_Rule, ...] = (
     # podman/libpod: libpod-<id>.scope (systemd), libpod-<id> (cgroupfs under /libpod_parent),
     # libpod-conmon-<id>.scope, quadlet: libpod-payload-<id>
     _Rule(PODMAN, re.compile(rf"^libpod-conmon-(?P<id>{_HEX64})(?:\.scope)?$"), role="monitor"),
-    _Rule(PODMAN, re.compile(rf"^libpod-payload-(?P<id>{_HEX64})$")),
+    _Rule(PODMAN, re.compile(rf"^libpod-payload-(?P<id>{_HEX64})(?:\.scope)?$")),
     _Rule(PODMAN, re.compile(rf"^libpod-(?P<id>{_HEX64})(?:\.scope)?$")),
     # plain runc with the systemd driver (cgroupsPath "system.slice:runc:<id>"): runc-<id>.scope
     _Rule(RUNC, re.compile(r"^runc-(?P<id>[A-Za-z0-9][A-Za-z0-9_.+-]*)\.scope$")),
@@ -94,7 +97,18 @@ _POD_SLICE = re.compile(
 _POD_DIR = re.compile(r"^pod(?P<uid>[0-9a-fA-F-]{8,})$")
 _QOS_DIRS = {"burstable", "besteffort"}
 _CONTAINERD_NAMESPACE_DIRS = {"default", "k8s.io", "moby", "containerd", "buildkit"}
+# `ctr run` / nerdctl with the cgroupfs driver: /<namespace>/<container id>, where the id is
+# whatever name the user gave (containerd's identifier rules: 76 characters at most)
+_CONTAINERD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,75}$")
+_CI_JOB_PARENTS = {"actions_job"}  # GitHub Actions runner: docker --cgroup-parent=actions_job
+# libvirt LXC: machine-lxc\x2d<n>\x2d<name>.scope (systemd; older: no <n>), <name>.libvirt-lxc
+_LIBVIRT_LXC_SCOPE = re.compile(r"^machine-lxc\\x2d(?:[0-9]+\\x2d)?(?P<name>.+)\.scope$")
+_LIBVIRT_LXC_DIR = re.compile(r"^(?P<name>.+)\.libvirt-lxc$")
+_SYSTEMD_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 _UNIT = re.compile(r"^(?P<name>.+)\.(?P<kind>service|scope|slice|mount)$")
+
+
+OUTER_CONTAINER_LABEL = "outer_container_id"  # nested clusters: the container the innermost one runs in
 
 
 def normalize_pod_uid(uid: str) -> str:
@@ -129,6 +143,10 @@ def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
     """(runtime, container id, role) if component i names a container."""
     comp = comps[i]
     parent = comps[i - 1] if i > 0 else ""
+    if comp.endswith((".scope", ".libvirt-lxc")) and "lxc" in comp:
+        m = _LIBVIRT_LXC_SCOPE.match(comp) or _LIBVIRT_LXC_DIR.match(comp)
+        if m:
+            return LIBVIRT_LXC, _systemd_unescape(m.group("name")), "container"
     if "ecs" in comps[:i] and _FARGATE_ID.match(comp):
         return ECS, comp, "container"  # Fargate: /ecs/<task id>/<task id>-<digits>
     if (parent == "garden" or "garden.service" in comps[:i]) and _GARDEN_ID.match(comp):
@@ -156,8 +174,44 @@ def _match_container(comps: list[str], i: int) -> tuple[str, str, str] | None:
             return CONTAINERD, comp, "container"  # ctr/nerdctl cgroupfs: /<namespace>/<id>
         if parent == "libpod_parent":
             return PODMAN, comp, "container"
+        if parent in _CI_JOB_PARENTS:
+            return DOCKER, comp, "container"  # a CI job's container: /actions_job/<id>
         return UNKNOWN, comp, "container"  # a 64-hex leaf is a container id in every runtime
+    if i == 1 and parent in _CONTAINERD_NAMESPACE_DIRS and _CONTAINERD_NAME.match(comp) and not _UNIT.match(comp):
+        return CONTAINERD, comp, "container"  # `ctr run` with a name: /default/<name>, /k8s.io/<name>
     return None
+
+
+def _systemd_unescape(name: str) -> str:
+    """A systemd unit name's \\xNN escapes undone (machine-lxc\\x2d...: '-')."""
+    return _SYSTEMD_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), name)
+
+
+def _outer_container(comps: list[str], below: int) -> str:
+    """The id of the nearest container enclosing component `below` (kind/minikube: the node's
+    docker container around the pods; docker-in-docker: the outer container), or ""."""
+    for i in range(below - 1, -1, -1):
+        found = _match_container(comps, i)
+        if found is not None and found[2] == "container":
+            return found[1]
+    return ""
+
+
+def _context_labels(comps: list[str], at: int, runtime: str) -> tuple[tuple[str, str], ...]:
+    """Labels that say where a container at component `at` sits: the enclosing container of a
+    nested cluster, the systemd service that started it, its containerd namespace, its ECS task."""
+    labels: list[tuple[str, str]] = []
+    outer = _outer_container(comps, at)
+    if outer:
+        labels.append((OUTER_CONTAINER_LABEL, outer))
+    parent = comps[at - 1] if at > 0 else ""
+    if runtime == ECS and parent and parent != "ecs":
+        labels.append(("ecs_task", parent))
+    elif runtime == CONTAINERD and at == 1 and parent in _CONTAINERD_NAMESPACE_DIRS:
+        labels.append(("containerd_namespace", parent))
+    elif parent.endswith(".service"):
+        labels.append(("systemd_unit", parent))  # podman under a service: <svc>.service/libpod-payload-<id>
+    return tuple(labels)
 
 
 def _match_pod(comps: list[str], i: int) -> tuple[str, str] | None:
@@ -217,10 +271,16 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
         if pod:
             pod_at = i
             break
+    slurm = find_slurm(comps) if "slurm" in path else None
+    if slurm is not None and slurm.job_at > container_at and slurm.job_at > pod_at:
+        outer = _outer_container(comps, slurm.job_at)
+        return slurm_identity(path, slurm, ((OUTER_CONTAINER_LABEL, outer),) if outer else ())
     if pod_at > container_at:
         # A pod-level cgroup (no container below it in this path): belongs to the pod.
         assert pod is not None
-        return ContainerIdentity(runtime=KUBEPODS, cgroup_path=path, pod_uid=pod[0], qos_class=pod[1])
+        outer = _outer_container(comps, pod_at)
+        return ContainerIdentity(runtime=KUBEPODS, cgroup_path=path, pod_uid=pod[0], qos_class=pod[1],
+                                 labels=((OUTER_CONTAINER_LABEL, outer),) if outer else ())
     if container is not None:
         runtime, cid, role = container
         pod_uid, qos = pod if pod is not None else ("", "")
@@ -229,16 +289,16 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
             # carry the container's id (its usage is the pod's, or the runtime's)
             return ContainerIdentity(runtime=runtime, cgroup_path=path, pod_uid=pod_uid, qos_class=qos,
                                      labels=(("role", role),))
-        labels: tuple[tuple[str, str], ...] = ()
-        if runtime == ECS and container_at > 0 and comps[container_at - 1] != "ecs":
-            labels = (("ecs_task", comps[container_at - 1]),)
+        # a name-like id (ctr run's, a libvirt domain's) is also the container's name
+        name = cid if runtime == LIBVIRT_LXC or (runtime == CONTAINERD and not _BARE_ID.match(cid)) else ""
         return ContainerIdentity(
             runtime=runtime,
             cgroup_path=path,
             container_id=cid,
+            container_name=name,
             pod_uid=pod_uid,
             qos_class=qos,
-            labels=labels,
+            labels=_context_labels(comps, container_at, runtime),
         )
     if _is_user_session(comps):
         return ContainerIdentity(runtime=HOST, cgroup_path=path)
@@ -248,3 +308,26 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
             name = m.group("name")
             return ContainerIdentity(runtime=SYSTEMD, cgroup_path=path, container_name=name)
     return ContainerIdentity(runtime=UNKNOWN, cgroup_path=path)
+
+
+SLURM_NAMESPACE = "slurm"  # the `namespace` of every Slurm job (its jobs are the pods)
+
+
+def slurm_identity(path: str, place: SlurmPlace, labels: tuple[tuple[str, str], ...] = ()) -> ContainerIdentity:
+    """A Slurm step as a container, its job as a pod: namespace "slurm", pod "job-<N>",
+    container "step-<M>" with container id "<N>.<M>" (Slurm's own step id: 42.0, 42.batch);
+    labels slurm_job, slurm_step and slurm_uid (v1 paths carry the uid; on v2 the resolver
+    adds it, and slurm_user, from the process). A job-level cgroup is the job (a pod without
+    a container); the step's slurmstepd is role=monitor, not the step."""
+    found = [("slurm_job", place.job)]
+    if place.step:
+        found.append(("slurm_step", place.step))
+    if place.uid:
+        found.append(("slurm_uid", place.uid))
+    job = ContainerIdentity(runtime=SLURM, cgroup_path=path, pod_name=f"job-{place.job}",
+                            pod_namespace=SLURM_NAMESPACE, labels=(*found, *labels))
+    if not place.step:
+        return job
+    if place.stepd:
+        return replace(job, labels=(*found, ("role", "monitor"), *labels))
+    return replace(job, container_id=f"{place.job}.{place.step}", container_name=f"step-{place.step}")

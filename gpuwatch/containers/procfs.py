@@ -77,7 +77,7 @@ def identity_rank(path: str) -> int:
     ident = _parse_path(path)
     if ident.container_id:
         return 3
-    if ident.pod_uid:
+    if ident.pod_uid or ident.pod_name:  # a pod-level cgroup, or a Slurm job's
         return 2
     return 0 if ident == HOST_IDENTITY else 1
 
@@ -165,6 +165,15 @@ def parse_status(text: str) -> tuple[str, tuple[int, ...]]:
                 nspid = ()
             break  # NSpid comes after Name
     return name, nspid
+
+
+def parse_uid(text: str) -> int | None:
+    """The real uid (first field of `Uid:`) from /proc/<pid>/status; None if missing."""
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line[4:].split()
+            return int(fields[0]) if fields and fields[0].isdigit() else None
+    return None
 
 
 def read_text(path: str) -> str | None:

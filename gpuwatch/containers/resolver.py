@@ -36,6 +36,7 @@ unknown cgroups are runtime "unknown" with the raw path.
 from __future__ import annotations
 
 import os
+import pwd
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,7 +44,9 @@ from dataclasses import dataclass, replace
 
 from gpuwatch.containers.cgroup_path import (
     KUBEPODS,
+    LIBVIRT_LXC,
     RUNC,
+    SLURM,
     UNKNOWN,
     normalize_path,
     normalize_pod_uid,
@@ -56,6 +59,7 @@ from gpuwatch.containers.pidwatch import ProcessHandle, open_pid_watch
 from gpuwatch.containers.procfs import (
     parse_stat,
     parse_status,
+    parse_uid,
     read_text,
 )
 from gpuwatch.model import ContainerIdentity, ProcessIdentity
@@ -245,9 +249,13 @@ class IdentityResolver:
         comm, start_ticks = (parsed.comm, parsed.start_ticks) if parsed is not None else ("", -1)
         status = read_text(f"{pdir}/status")
         name, nspid = parse_status(status) if status is not None else ("", ())
+        unified: str | None = None
         if cg_text is not None:
             choice = cgroup_choice(cg_text, self.mounts)  # every line, placed in its hierarchy
             path_entry = self._path_entry(choice.path, choice.hierarchy)
+            unified = normalize_path(choice.unified) if choice.unified is not None else None
+            if path_entry.identity.runtime == SLURM and status is not None:
+                _add_slurm_user(path_entry, parse_uid(status))
         else:
             # cgroup unreadable (truncated fixture, permissions): keep the process, say unknown
             unknown = ContainerIdentity(runtime=UNKNOWN, cgroup_path="")
@@ -258,6 +266,7 @@ class IdentityResolver:
             container_pid=nspid[-1] if nspid else None,
             comm=comm or name,
             identity=path_entry.identity,
+            unified_path=unified,
         )
         # Spread the periodic rechecks over the recheck period (by pid), so processes that
         # were first seen together are not all re-read in the same sweep.
@@ -375,7 +384,7 @@ class IdentityResolver:
                 return base, False
             base = replace(base, runtime=RUNC, container_id=leaf)
             return _merge(base, meta), False
-        if not cid:
+        if not cid or base.runtime in _NO_BUNDLES:
             return base, False
         meta = self._metadata(cid, base.runtime)
         if meta is None:
@@ -466,6 +475,28 @@ class IdentityResolver:
             self._watch = None
         self._pids.clear()
         self._recheck_queue.clear()
+
+
+_NO_BUNDLES = frozenset({SLURM, LIBVIRT_LXC})  # runtimes that leave no OCI bundle / docker config to read
+
+
+def _add_slurm_user(entry: _PathEntry, uid: int | None) -> None:
+    """Give a Slurm step's identity its user (slurm_uid, slurm_user) from one of its processes,
+    once: v2 paths do not carry the uid, and every task of a job runs as the job's user."""
+    labels = dict(entry.identity.labels)
+    if uid is None or "slurm_user" in labels:
+        return
+    extra = [] if "slurm_uid" in labels else [("slurm_uid", str(uid))]
+    extra.append(("slurm_user", _user_name(int(labels.get("slurm_uid", uid)))))
+    entry.identity = replace(entry.identity, labels=(*entry.identity.labels, *extra))
+
+
+def _user_name(uid: int) -> str:
+    """The login name of a uid (the node's passwd/NSS), or the number when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
 
 
 def _count(entry: _PidEntry, delta: int) -> None:
