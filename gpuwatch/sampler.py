@@ -40,8 +40,10 @@ from gpuwatch.model import (
     NodeSignals,
     ProbeCounters,
     ProcessIdentity,
+    ProcessProbe,
     Snapshot,
 )
+from gpuwatch.probe_join import join_process_probes, needs_process_join
 from gpuwatch.signals.health import apply_health
 
 if TYPE_CHECKING:
@@ -61,7 +63,9 @@ class IdentitySource(Protocol):
 
 
 class ProbeSource(Protocol):
-    """Kernel probe counters, read once per interval (gpuwatch.probes)."""
+    """Kernel probe counters, read once per interval (gpuwatch.probes). A source that also
+    has `read_processes() -> tuple[ProcessProbe, ...]` (the ProbeManager) gets its counters
+    joined per process where cgroups cannot be joined whole (probe_join.py)."""
 
     def read(self) -> tuple[ProbeCounters, ...]: ...
 
@@ -243,6 +247,8 @@ class Sampler:
         result = attribute(sweep, identities, self._state, self.node, max_retired=self.max_retired_counters)
         self._state = result.state
         probe_identities = self._probe_identities(counters)
+        if counters and needs_process_join(identities.values()):
+            counters, probe_identities = self._join_per_process(counters, probe_identities, identities)
         containers = _merge_probes(result.containers, counters, probe_identities)
         signals = self._signals(sweep.devices, sweep.topology, containers, identities)
         progress = self._progress(containers, now_s)
@@ -279,6 +285,27 @@ class Sampler:
 
     def _resolve_one(self, pid: int) -> ProcessIdentity | None:
         return self._resolver.resolve_pids((pid,)).get(pid)
+
+    def _join_per_process(self, counters: tuple[ProbeCounters, ...],
+                          probe_identities: tuple[tuple[int, ContainerIdentity], ...],
+                          identities: Mapping[int, ProcessIdentity]
+                          ) -> tuple[tuple[ProbeCounters, ...], tuple[tuple[int, ContainerIdentity], ...]]:
+        """Counters re-joined one process at a time (probe_join.py): the probe source's
+        per-process bytes, each process named by the resolver as NVML's processes are."""
+        read_processes: Callable[[], Sequence[ProcessProbe]] | None = getattr(
+            self._probe_source, "read_processes", None)
+        if read_processes is None:
+            return counters, probe_identities
+        try:
+            processes = tuple(read_processes())
+        except (GpuwatchError, OSError) as err:
+            log.warning("per-process probe counters unavailable: %s", err)
+            return counters, probe_identities
+        named = dict(identities)
+        missing = [p.tgid for p in processes if p.tgid not in named]
+        if missing:
+            named.update(self._resolver.resolve_pids(missing))
+        return join_process_probes(counters, probe_identities, processes, named)
 
     def _probe_identities(self, counters: Sequence[ProbeCounters]
                           ) -> tuple[tuple[int, ContainerIdentity], ...]:

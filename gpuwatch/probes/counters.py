@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 
-from gpuwatch.model import ProbeCounters
+from gpuwatch.model import ProbeCounters, ProcessProbe
 from gpuwatch.probes import layout
 from gpuwatch.probes.bpfsys import BpfMap
 from gpuwatch.probes.events import device_index, ioctl_op_name
@@ -55,6 +55,26 @@ def read_counters(maps: Mapping[str, BpfMap], launches_on: bool, cuda_on: bool) 
     for (cgroup_id, nr), (calls, _failures) in read_uvm_ioctls(maps).items():
         get(cgroup_id).uvm_calls[nr] = calls
     return tuple(a.counters(cg, launches_on, cuda_on) for cg, a in sorted(acc.items()))
+
+
+def read_process_counters(maps: Mapping[str, BpfMap]) -> tuple[ProcessProbe, ...]:
+    """Live bytes per process from gw_tgids (the same charges as the per-cgroup gw_mem, kept
+    per tgid), sorted by tgid: what a per-process join needs when one cgroup holds the
+    processes of several containers."""
+    out: list[ProcessProbe] = []
+    for key, value in maps["gw_tgids"].items():
+        st = layout.GwTgidState.from_buffer_copy(value)
+        rm: dict[int, int] = {}
+        for slot in range(layout.GW_DEV_SLOTS):
+            size = int(st.rm_bytes[slot])
+            if size:
+                dev = device_index(slot)
+                gpu = -1 if dev is None else dev
+                rm[gpu] = rm.get(gpu, 0) + size
+        out.append(ProcessProbe(tgid=struct.unpack("<I", key[:4])[0], cgroup_id=int(st.cgroup_id),
+                                allocated_bytes_by_gpu=tuple(sorted(rm.items())),
+                                cuda_allocated_bytes=int(st.cuda_bytes)))
+    return tuple(sorted(out, key=lambda p: p.tgid))
 
 
 def read_uvm_ioctls(maps: Mapping[str, BpfMap]) -> dict[tuple[int, int], tuple[int, int]]:

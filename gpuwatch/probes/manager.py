@@ -28,9 +28,9 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts
 from gpuwatch.errors import ProbesUnavailable
-from gpuwatch.model import ProbeCounters
+from gpuwatch.model import ProbeCounters, ProcessProbe
 from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
-from gpuwatch.probes.counters import read_counters, read_uvm_ioctls
+from gpuwatch.probes.counters import read_counters, read_process_counters, read_uvm_ioctls
 from gpuwatch.probes.elf import ElfError, symbol_offsets
 from gpuwatch.probes.events import ProbeEvent
 from gpuwatch.probes.libcuda import LibraryCopy, discover
@@ -349,6 +349,12 @@ class ProbeManager:
         self._attach_new_gpu_processes()
         return read_counters(self._maps, launches_on=self.config.launch_uprobes,
                              cuda_on=self.config.alloc_uprobes)
+
+    @_locked
+    def read_processes(self) -> tuple[ProcessProbe, ...]:
+        """Live bytes per GPU process (gw_tgids): the sampler joins them to containers one
+        process at a time where a cgroup's counters belong to several (hybrid hosts)."""
+        return read_process_counters(self._maps)
 
     @_locked
     def uvm_ioctls(self) -> dict[tuple[int, int], tuple[int, int]]:
