@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from gpuwatch.containers.cgroup_path import normalize_path, parse_cgroup_path
 from gpuwatch.containers.cgroupfs import discover_mounts
+from gpuwatch.containers.pidcgroup import cgroup_choice
+from gpuwatch.containers.procfs import read_text
 from gpuwatch.errors import ProbesUnavailable
 from gpuwatch.probes.bcc_loader import BUNDLED_HEADERS, HOST_MERGED_HEADERS, KernelHeaders, find_kernel_headers
 
@@ -152,6 +155,44 @@ def check_cgroups(roots: HostRoots = HostRoots()) -> Check:
     return Check("cgroups", Status.OK, found)
 
 
+def containers_without_own_v2_cgroup(proc_root: str = "/proc") -> dict[str, str]:
+    """Container display name -> its processes' v2 cgroup, for every running container whose
+    identifying cgroup (a v1 controller's, on a hybrid host) is not the v2 cgroup its
+    processes are in: the probes count them elsewhere (joined per process) and the enforcer
+    refuses in-kernel limits for them."""
+    mounts = discover_mounts(proc_root)
+    found: dict[str, str] = {}
+    for entry in os.scandir(proc_root):
+        if not entry.name.isdigit():
+            continue
+        text = read_text(f"{entry.path}/cgroup")
+        if text is None:
+            continue
+        choice = cgroup_choice(text, mounts)
+        identity = parse_cgroup_path(normalize_path(choice.path))
+        unified = normalize_path(choice.unified) if choice.unified is not None else None
+        if identity.is_container and unified != identity.cgroup_path:
+            found.setdefault(identity.display_name, unified or "(no v2 line)")
+    return found
+
+
+def check_v2_identity(roots: HostRoots = HostRoots()) -> Check:
+    """Hybrid hosts: do the probes' cgroups (v2) and identity name the same containers?"""
+    if discover_mounts(roots.proc_root).mode != "hybrid":
+        return Check("v2 identity", Status.OK, "not a hybrid host: every container's probes count in its own cgroup")
+    odd = containers_without_own_v2_cgroup(roots.proc_root)
+    if not odd:
+        return Check("v2 identity", Status.OK, "hybrid host; every running container has a v2 cgroup of its own")
+    shown = ", ".join(f"{name} (v2 {where})" for name, where in sorted(odd.items())[:5])
+    more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+    return Check("v2 identity", Status.WARN,
+                 f"hybrid host; {len(odd)} container(s) named by a v1 cgroup, not a v2 cgroup of their own: "
+                 f"{shown}{more}",
+                 loses="in-kernel memory limits for them are refused (audit: refuse-inkernel); their probe bytes "
+                       "are joined per process, their ioctl counts stay with the shared cgroup",
+                 fix="run the runtime with cgroup v2 (or the systemd driver), so each container has its own v2 cgroup")
+
+
 def check_tracepoints(roots: HostRoots = HostRoots()) -> Check:
     for base in ("kernel/tracing", "kernel/debug/tracing"):
         if Path(roots.sys_root, base, "events/syscalls/sys_enter_ioctl").exists():
@@ -178,6 +219,7 @@ def run_all(roots: HostRoots = HostRoots()) -> list[Check]:
         check_kernel_headers(roots),
         check_btf(roots),
         check_cgroups(roots),
+        check_v2_identity(roots),
         check_tracepoints(roots),
         check_binary("runc", "runc", "simulated workloads in real containers (gpuwatch sim, tests)"),
         check_binary("cc", "gcc libc6-dev", "the simulated GPU node (its C libraries are built on demand)"),

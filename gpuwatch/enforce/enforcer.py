@@ -172,6 +172,8 @@ class Enforcer:
         self.last_result: EvaluationResult | None = None
         self.last_latency_s = 0.0
         self._pushed_limits: dict[int, tuple[int, str]] = {}
+        self.kernel_refused: dict[str, str] = {}
+        """Key -> why the in-kernel limit is refused for a limited container (no v2 cgroup of its own)."""
         self._identities: dict[str, ContainerIdentity] = {}
         self._closed = False
         self._webhook_times: list[float] = []
@@ -347,6 +349,7 @@ class Enforcer:
             policy = self.policy
         rules = {r.name: r for r in policy.rules}
         wanted: dict[int, tuple[int, str]] = {}
+        refused: dict[str, ContainerIdentity] = {}
         suspended = self.kernel_guard.suspended_keys()
         for key in set(result.measurements) | set(result.effective_limits_bytes):
             if key in suspended:
@@ -355,11 +358,15 @@ class Enforcer:
             measured = result.measurements.get(key)
             fair = key in result.effective_limits_bytes
             limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes if measured else None)
-            if identity is None or identity.cgroup_id is None or limit is None:
+            if identity is None or limit is None:
                 continue
             if self.safety.unsafe_reason(identity):
                 continue
             rule = rules.get(result.rules_by_target.get(key, ""))
+            if identity.cgroup_id is None:
+                if identity.is_container:
+                    refused[key] = identity
+                continue
             wanted[identity.cgroup_id] = (limit, kernel_action(rule, fair))
         if policy.fair_share.enabled and policy.rescheduling.gate_new:
             for identity in self._not_yet_on_a_gpu(policy):
@@ -372,7 +379,31 @@ class Enforcer:
             for cgroup_id in set(self._pushed_limits) - set(wanted):
                 self.limit_map.clear(cgroup_id)
         self._pushed_limits = wanted
+        self._refuse_kernel_limits(refused, result)
         self._push_devices(result, snapshot)
+
+    def _refuse_kernel_limits(self, refused: dict[str, ContainerIdentity],
+                              result: EvaluationResult) -> None:
+        """Audit (once per container) each limited container the kernel limit cannot key: the
+        cgroup that names it is no cgroup v2 directory (a hybrid host whose runtime manages v1
+        only), so its processes are counted in the v2 root, a service or a cgroup shared with
+        other containers -- a limit there would act on all of them together."""
+        for key, identity in refused.items():
+            if key in self.kernel_refused:
+                continue
+            reason = (f"in-kernel limit refused: {identity.cgroup_path!r} is not a cgroup v2 directory (a v1 "
+                      "controller names this container on a hybrid host); its processes are counted by the "
+                      "kernel in another v2 cgroup, possibly shared with other containers, so a kernel kill/stop "
+                      "there could hit them")
+            self.kernel_refused[key] = reason
+            log.warning("%s: %s", identity.display_name, reason)
+            self.audit.record_event(
+                identity, event="inkernel", rule=result.rules_by_target.get(key, ""), scope="container",
+                reason=reason, action="refuse-inkernel", result="refused",
+                detail="polling enforcement on NVML numbers applies; probe bytes are joined per process",
+                dry_run=self.dry_run)
+        for key in set(self.kernel_refused) - set(refused):
+            del self.kernel_refused[key]
 
     def _not_yet_on_a_gpu(self, policy: Policy) -> list[ContainerIdentity]:
         """Containers on the node a rule matches that the snapshot does not show on a GPU yet
