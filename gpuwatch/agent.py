@@ -11,6 +11,7 @@ Each optional part that cannot start is logged once with what the user loses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -316,6 +317,8 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
             snapshot = sampler.latest()
             if snapshot.timestamp_s == last_seen:
                 continue
+            if last_seen == 0.0:  # started: what start-up used and freed goes back to the kernel
+                trim_malloc()
             last_seen = snapshot.timestamp_s
             if nfd is not None:
                 nfd.update(snapshot)
@@ -369,11 +372,50 @@ def config_from_json(text: str) -> AgentConfig:
     return AgentConfig(**fields)
 
 
+# glibc malloc (mallopt parameters, <malloc.h>). Each thread that allocates gets an arena of its
+# own (up to 8 per core) that keeps ~0.7 MiB resident once used: with the probes' threads that was
+# 3.5 MiB of a 28 MiB agent on a small node. The agent's threads take turns under the GIL and
+# allocate little each, so one arena costs no measurable time. Fixed mmap and trim thresholds
+# (instead of glibc's dynamic ones, which rise to the largest block ever freed) make a scrape's
+# large transient buffers go back to the kernel when freed, instead of staying in the heap.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MALLOC_ARENAS = 1
+MALLOC_THRESHOLD_BYTES = 128 * 1024  # glibc's default starting values, held fixed
+
+
+def tune_malloc() -> bool:
+    """Set the daemon's glibc malloc parameters (above); call before any thread starts.
+
+    False where the C library is not glibc (nothing to tune). Only the daemon's own process
+    calls this: `run_agent` inside another program (quickstart) leaves its allocator alone."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in (
+        (_M_ARENA_MAX, MALLOC_ARENAS), (_M_MMAP_THRESHOLD, MALLOC_THRESHOLD_BYTES),
+        (_M_TRIM_THRESHOLD, MALLOC_THRESHOLD_BYTES)))
+
+
+def trim_malloc() -> None:
+    """Give the heap's free pages back to the kernel (glibc malloc_trim), e.g. after start-up."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def run_until_signalled(config: AgentConfig, verbose: int) -> None:
     """Log to stderr, run the agent until SIGTERM/SIGINT; SIGHUP asks for a policy reload."""
     import signal
     from types import FrameType
 
+    tune_malloc()
     for package in DEFERRED_PACKAGES:  # before anything imports it: see DEFERRED_PACKAGES
         defer_package_init(package)
     logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,

@@ -28,7 +28,6 @@ from prometheus_client.registry import CollectorRegistry
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
 from gpuwatch.httpserve import BoundedServer, ServerLimits
 from gpuwatch.model import Snapshot
-from gpuwatch.snapshot_doc import dumps as snapshot_document
 
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -76,6 +75,8 @@ def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | Non
                 return _plain(start_response, 403, "/snapshot.json (host pids, process names, cgroup paths) is "
                               "served on loopback listeners only; start the agent with --snapshot-remote "
                               "to serve it here")
+            from gpuwatch.snapshot_doc import dumps as snapshot_document  # only for this endpoint (RSS)
+
             body = snapshot_document(get_snapshot(), indent=None).encode()
             start_response("200 OK", [("Content-Type", "application/json"),
                                       ("Content-Length", str(len(body)))])
