@@ -21,9 +21,16 @@ import pytest
 
 from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, sim_env, up
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, driver_env
 
 GIB = 1024**3
 MIB = 1024**2
+CONTEXT_BYTES = DEFAULT_CONTEXT_MIB * MIB  # what NVML counts per process after cuCtxCreate (the H100's)
+# The stub's defaults follow real CUDA (a 518 MiB context, allocations below 2 MiB carved
+# from 2 MiB objects). A test about something else whose arithmetic is in the bytes a
+# workload asks for pins this instead -- no context memory, one object per allocation --
+# and says why where it does.
+EXACT_DRIVER = driver_env(suballoc_mib=0, context_mib=0)
 
 
 @contextmanager
@@ -64,12 +71,13 @@ def scratch_cgroup(name: str) -> Iterator[Path]:
 class Workers:
     """Starts simworkers (or any command) on a node; kills them all on close."""
 
-    def __init__(self, node: SimNode) -> None:
+    def __init__(self, node: SimNode, driver: dict[str, str] | None = None) -> None:
         self.node = node
+        self.driver = driver or {}  # driver_env() settings for every worker (default: the stub's)
         self.procs: list[subprocess.Popen[str]] = []
 
     def env(self) -> dict[str, str]:
-        return sim_env(self.node, dict(os.environ))
+        return {**sim_env(self.node, dict(os.environ)), **self.driver}
 
     def start(self, *args: str, argv: list[str] | None = None) -> subprocess.Popen[str]:
         cmd = argv or [str(self.node.libraries.worker_path), *args]
@@ -110,8 +118,8 @@ class Workers:
 
 
 @contextmanager
-def workers(node: SimNode) -> Iterator[Workers]:
-    w = Workers(node)
+def workers(node: SimNode, driver: dict[str, str] | None = None) -> Iterator[Workers]:
+    w = Workers(node, driver)
     try:
         yield w
     finally:

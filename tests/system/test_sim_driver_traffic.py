@@ -6,8 +6,8 @@ destroys contexts step by step; after each step the test reads the sim state and
 (pynvml on the fake) and compares the process's used memory with RM's rule computed
 here from the documented sizes (gpuwatch/sim/README.md "Driver traffic"):
   the live class-0x40 memory objects at their rounded sizes -- 2 MiB pages from 2 MiB,
-  64 KiB below; context memory included; chunks, not the cuMemAllocs carved from them --
-  plus resident managed memory (2 MiB chunks of nvidia-uvm).
+  64 KiB below; context memory included; chunks, not the cuMemAllocs carved from them;
+  never managed memory (nvidia-uvm), as the real H100 trace shows (test_sim_real_shape.py).
 The traffic itself is checked from outside: strace for the ioctl words and fds, and a
 syscall tracepoint that reads the parameter blocks from the caller's memory.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from gpuwatch.sim import SimNode, sim_env, status
-from gpuwatch.sim.node import driver_env
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, driver_env
 from tests.conftest import need_binary, need_root
 from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml
 
@@ -49,13 +49,25 @@ def rm_size(nbytes: int) -> int:
     return -(-nbytes // page) * page
 
 
+RECORDED_CONTEXT_MIB = [6, *[2] * 14, 70]  # the H100 context's objects, then the rest in one
+
+
 def context_objects(context_mib: int) -> list[int]:
-    """The context's own memory objects: `context_mib` MiB in pieces of at most 2 MiB."""
+    """The context's own memory objects (README "Driver traffic"): the recorded H100
+    context's pieces in order, the rest in one, each capped at what is left and kept a
+    multiple of 2 MiB, an odd last MiB on its own."""
     pieces, left = [], context_mib * MIB
     while left:
-        pieces.append(min(left, 2 * MIB))
-        left -= pieces[-1]
+        piece = min(left, RECORDED_CONTEXT_MIB[len(pieces)] * MIB if len(pieces) < len(RECORDED_CONTEXT_MIB) else left)
+        piece -= piece % (2 * MIB) if piece >= 2 * MIB else 0
+        pieces.append(piece)
+        left -= piece
     return [rm_size(p) for p in pieces]
+
+
+def test_context_objects_of_the_default_context_are_the_recorded_ones() -> None:
+    assert context_objects(518) == [m * MIB for m in (6, *[2] * 14, 70, 414)]
+    assert context_objects(5) == [4 * MIB, 1 * MIB] and context_objects(3) == [2 * MIB, 1 * MIB]
 
 
 DRIVEN = r"""
@@ -199,7 +211,7 @@ def test_nvml_per_process_memory_follows_rms_rule(
 ) -> None:
     node, context_mib = two_gpus, 5
     ctx = context_objects(context_mib)
-    assert ctx == [2 * MIB, 2 * MIB, 1 * MIB]
+    assert ctx == [4 * MIB, 1 * MIB]
     # suballocation: 1 KiB .. 5 MiB (9.1 MiB carved) share the first 16 MiB chunk, 12 MiB
     # does not fit in what is left and opens a second one, 40 MiB > 16 MiB is its own object
     objects = [16 * MIB, 16 * MIB, rm_size(40 * MIB)] if suballoc_mib else [rm_size(s) for s in SIZES]
@@ -243,18 +255,21 @@ def test_nvml_per_process_memory_follows_rms_rule(
 
 
 def test_allocation_that_does_not_fit_reports_the_drivers_refusal(two_gpus: SimNode, tmp_path: Path) -> None:
-    node = two_gpus
+    node = two_gpus  # 1 GiB GPUs: the default 518 MiB context and 400 MiB fit, 200 MiB more does not
     with driven(node, tmp_path, trace=True) as prog:
         prog.ok("ctx", 0)
-        prog.alloc(900 * MIB)
+        prog.alloc(400 * MIB)
         assert prog.do("alloc", 200 * MIB)[0] == "2"  # CUDA_ERROR_OUT_OF_MEMORY
-        assert ledger_of(node, prog.pid, 0).memory_bytes == 900 * MIB
+        assert ledger_of(node, prog.pid, 0).memory_bytes == (DEFAULT_CONTEXT_MIB + 400) * MIB
         lines = prog.finish()
     # the refused allocation reached the driver too (RM answered NV_ERR_NO_MEMORY)
-    assert ioctl_words(lines, node).count(("nvidiactl", RM_ALLOC_NVOS64)) == CONTEXT_RM_ALLOCS + 2
+    context = len(context_objects(DEFAULT_CONTEXT_MIB))
+    assert ioctl_words(lines, node).count(("nvidiactl", RM_ALLOC_NVOS64)) == CONTEXT_RM_ALLOCS + context + 2
 
 
-def test_managed_memory_goes_through_nvidia_uvm_and_counts_when_resident(two_gpus: SimNode, tmp_path: Path) -> None:
+def test_managed_memory_goes_through_nvidia_uvm_and_nvml_leaves_it_out(two_gpus: SimNode, tmp_path: Path) -> None:
+    """As on the H100 (test_sim_real_shape.py): no RM object, NVML's number unchanged, and
+    no room check (managed memory oversubscribes: 2 GiB of ranges on a 1 GiB GPU)."""
     node = two_gpus
     with driven(node, tmp_path, trace=True, context_mib=1) as prog:
         pid = prog.pid
@@ -262,20 +277,22 @@ def test_managed_memory_goes_through_nvidia_uvm_and_counts_when_resident(two_gpu
         big = prog.alloc(5 * MIB, managed=True)
         small = prog.alloc(1 * KIB, managed=True)
         entry = ledger_of(node, pid, 0)
-        # resident in 2 MiB chunks, all of it at once; no RM object for it
-        assert (entry.managed_bytes, entry.rm_objects) == (6 * MIB + 2 * MIB, 1)
-        assert nvml_used(node, 0) == {str(pid): 1 * MIB + 8 * MIB}
+        # mapped in 2 MiB chunks (the ledger keeps the length); no RM object for it
+        assert (entry.managed_bytes, entry.rm_objects, entry.memory_bytes) == (6 * MIB + 2 * MIB, 1, 1 * MIB)
+        assert nvml_used(node, 0) == {str(pid): 1 * MIB}
+        huge = prog.alloc(2 * GIB, managed=True)
+        prog.ok("free", huge)
         prog.ok("free", big)
-        assert nvml_used(node, 0) == {str(pid): 1 * MIB + 2 * MIB}
+        assert nvml_used(node, 0) == {str(pid): 1 * MIB}
         prog.ok("free", small)
-        assert ledger_of(node, pid, 0).memory_bytes == 1 * MIB
+        assert ledger_of(node, pid, 0).managed_bytes == 0
         lines = prog.finish()
     calls = ioctl_words(lines, node)
     assert calls.count(("nvidia-uvm", UVM_INITIALIZE)) == 1  # once per process
     assert calls.count(("nvidiactl", RM_ALLOC_NVOS64)) == CONTEXT_RM_ALLOCS + 1  # the context's 1 MiB only
     uvm = str(node.dev_dir / "nvidia-uvm")
     maps = [ln for ln in lines if ln.split("(", 1)[0].split()[-1] == "mmap" and f"<{uvm}>" in ln]
-    assert len(maps) == 2 and all("= 0x" in ln for ln in maps)  # two ranges, both mapped
+    assert len(maps) == 3 and all("= 0x" in ln for ln in maps)  # three ranges, all mapped
 
 
 @pytest.mark.parametrize("teardown", ["free-device", "free-client", "close-fd"])
@@ -288,12 +305,12 @@ def test_frees_by_parent_and_by_closing_the_control_fd(two_gpus: SimNode, tmp_pa
         prog.alloc(3 * MIB, managed=True)
         prog.ok("ctx", 1)
         prog.alloc(32 * MIB)
-        assert nvml_used(node, 0) == {str(pid): 2 * MIB + 64 * MIB + 4 * MIB}
+        assert nvml_used(node, 0) == {str(pid): 2 * MIB + 64 * MIB}  # the managed range is not counted
         assert nvml_used(node, 1) == {str(pid): 2 * MIB + 32 * MIB}
         # not the last context: its device is freed with everything under it, GPU 0 keeps its own
         prog.ok("destroy", 1)
         assert ledger_of(node, pid, 1) is None
-        assert ledger_of(node, pid, 0).memory_bytes == 70 * MIB
+        assert ledger_of(node, pid, 0).memory_bytes == 66 * MIB
         # the last context: device, client or fd -- every object is gone either way
         prog.ok("destroy", 0)
         assert [p for p in status(node).processes if p.host_pid == pid] == []
@@ -325,7 +342,7 @@ def test_process_exit_frees_everything_it_held(two_gpus: SimNode, tmp_path: Path
         prog.ok("ctx", 1)
         prog.alloc(3 * MIB)
         prog.alloc(1 * MIB, managed=True)
-        assert nvml_used(node, 1) == {str(pid): 4 * MIB + 8 * MIB + 2 * MIB}
+        assert nvml_used(node, 1) == {str(pid): 4 * MIB + 8 * MIB}  # the managed MiB is not counted
         prog.kill()
         deadline = time.monotonic() + 2
         while ledger_of(node, pid, 1) is not None and time.monotonic() < deadline:
@@ -360,8 +377,8 @@ def test_sim_run_passes_the_driver_options_to_the_stub(two_gpus: SimNode, tmp_pa
                     break
             assert words[:1] == ["ready"], proc.stderr.read() if proc.stderr else ""
             entry = ledger_of(node, proc.pid, 1)
-            if what == "managed":  # the context's 2 + 1 MiB, three 1 MiB ranges in 2 MiB chunks
-                assert (entry.memory_bytes, entry.managed_bytes, entry.rm_objects) == (9 * MIB, 6 * MIB, 2)
+            if what == "managed":  # the context's 2 + 1 MiB; three 1 MiB ranges in 2 MiB chunks, not in NVML
+                assert (entry.memory_bytes, entry.managed_bytes, entry.rm_objects) == (3 * MIB, 6 * MIB, 2)
             else:  # the context's 2 + 1 MiB and one 8 MiB chunk for the three 1 MiB allocations
                 assert (entry.memory_bytes, entry.context_bytes, entry.rm_objects) == (11 * MIB, 3 * MIB, 3)
             assert entry.requested_bytes == 3 * MIB
@@ -424,7 +441,9 @@ def test_tracepoint_reads_id_info_vid_heap_and_client_free(two_gpus: SimNode, tm
     bcc = bcc_module
     node = two_gpus
     events: list[tuple[int, bytes, bytes]] = []
-    with driven(node, tmp_path, alloc_path="vid-heap", ctx_teardown="free-client") as prog:
+    # no context memory: the test reads the device objects and two allocations by position,
+    # and the default context's 17 memory objects would only sit between them
+    with driven(node, tmp_path, alloc_path="vid-heap", ctx_teardown="free-client", context_mib=0) as prog:
         bpf = bcc.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={prog.pid}"])
         try:
 

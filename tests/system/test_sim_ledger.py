@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 from gpuwatch.sim import status
-from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml, workers
+from tests.system.sim_helpers import CONTEXT_BYTES, EXACT_DRIVER, GIB, MIB, private_node, run_nvml, workers
 
 
 def test_allocation_at_capacity_fails_with_oom(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+    # EXACT_DRIVER: the capacity arithmetic is in the bytes the workers ask for (no context)
+    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node, EXACT_DRIVER) as w:
         _, held = w.start_ready("--mib-per-step", "256", "--steps", "3")  # 768 MiB
         assert held == 768 * MIB
         over = w.start("--mib-per-step", "512")
@@ -32,7 +33,8 @@ def test_allocation_at_capacity_fails_with_oom(tmp_path: Path) -> None:
 
 
 def test_killed_workload_memory_is_reclaimed_within_one_second(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=4 * GIB) as node, workers(node) as w:
+    # EXACT_DRIVER: NVML is compared with the bytes each worker reports asking for
+    with private_node(tmp_path, devices=1, memory_bytes=4 * GIB) as node, workers(node, EXACT_DRIVER) as w:
         keep, kept = w.start_ready("--mib-per-step", "100")
         victim, _ = w.start_ready("--mib-per-step", "1000", "--duty", "0.3")
         out = run_nvml(
@@ -59,9 +61,13 @@ print(json.dumps(dict(before=before, after=procs, used=used, elapsed_s=time.mono
     assert out["elapsed_s"] < 1.0
 
 
-def rm_rounded_mib(mib: int) -> int:
-    """RM's size for one allocation (README "Driver traffic"): 2 MiB pages from 2 MiB on."""
-    return mib + mib % 2 if mib >= 2 else mib
+def rm_bytes(mib: int, steps: int) -> int:
+    """What NVML counts for `steps` allocations of `mib` MiB by the stub's default (README
+    "Driver traffic", the real shape): 2 MiB pages from 2 MiB on; 1 MiB allocations carved
+    two to a 2 MiB object; plus the context's memory."""
+    if mib < 2:
+        return CONTEXT_BYTES + -(-steps // 2) * 2 * MIB
+    return CONTEXT_BYTES + (mib + mib % 2) * MIB * steps
 
 
 def test_fifty_concurrent_workloads_keep_the_ledger_consistent(tmp_path: Path) -> None:
@@ -77,7 +83,7 @@ def test_fifty_concurrent_workloads_keep_the_ledger_consistent(tmp_path: Path) -
             words = w.wait_line(proc, "ready")
             assert int(words[2]) == mib * MIB * steps
             # NVML counts the driver's memory objects at their rounded sizes
-            expected[proc.pid] = (gpu, rm_rounded_mib(mib) * MIB * steps)
+            expected[proc.pid] = (gpu, rm_bytes(mib, steps))
         code = """
 res = []
 for i in range(2):
@@ -129,7 +135,8 @@ time.sleep(30)
 
 
 def test_forked_child_is_its_own_gpu_process(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+    # 2 GiB: room for two 518 MiB contexts
+    with private_node(tmp_path, devices=1, memory_bytes=2 * GIB) as node, workers(node) as w:
         parent = w.start(argv=[sys.executable, "-c", FORKER])
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())
@@ -139,8 +146,8 @@ def test_forked_child_is_its_own_gpu_process(tmp_path: Path) -> None:
         while time.monotonic() < deadline and len(status(node).processes) != 1:
             time.sleep(0.02)
         after = {p.host_pid: p.memory_bytes for p in status(node).processes}
-    assert both == {parent.pid: 100 * MIB, child_pid: 50 * MIB}
-    assert after == {parent.pid: 100 * MIB}
+    assert both == {parent.pid: CONTEXT_BYTES + 100 * MIB, child_pid: CONTEXT_BYTES + 50 * MIB}
+    assert after == {parent.pid: CONTEXT_BYTES + 100 * MIB}
 
 
 def test_cuda_visible_devices_selects_and_reorders(tmp_path: Path) -> None:
@@ -164,5 +171,5 @@ def test_cuda_visible_devices_selects_and_reorders(tmp_path: Path) -> None:
             timeout=10,
         )
         placed = {p.device: p.memory_bytes for p in status(node).processes}
-    assert placed == {2: 8 * MIB}  # CUDA ordinal 0 is physical GPU 2
+    assert placed == {2: CONTEXT_BYTES + 8 * MIB}  # CUDA ordinal 0 is physical GPU 2
     assert hidden.returncode == 3  # only two devices are visible
