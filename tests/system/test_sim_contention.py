@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import SimNode, engine, status
-from tests.system.sim_helpers import GIB, Workers, private_node, workers
+from tests.system.sim_helpers import EXACT_DRIVER, GIB, Workers, private_node, workers
 
 WINDOW_S = 2.0
 
@@ -47,7 +47,9 @@ def start(w: Workers, gpu: int, duty: float, kernel_ms: float = 10) -> subproces
 @contextmanager
 def tenants(tmp_path: Path, gpus: list[int], duty: float = 0.8, **node_kwargs: object
             ) -> Iterator[tuple[SimNode, list[subprocess.Popen[str]]]]:
-    with private_node(tmp_path, devices=2, memory_bytes=GIB, **node_kwargs) as node, workers(node) as w:
+    # EXACT_DRIVER: these tests are about the execution engine; several workers' 518 MiB
+    # contexts would not fit on the 1 GiB GPUs and say nothing about contention
+    with private_node(tmp_path, devices=2, memory_bytes=GIB, **node_kwargs) as node, workers(node, EXACT_DRIVER) as w:
         procs = [start(w, gpu, duty) for gpu in gpus]
         time.sleep(0.6)  # past the start and the duty schedule's catch-up
         yield node, procs
@@ -145,7 +147,8 @@ def test_a_cgroup_frozen_holder_frees_the_engine(tmp_path: Path, root_required: 
     cgroup = unified / f"gpuwatch-test-contention-{os.getpid()}"
     cgroup.mkdir()
     try:
-        with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+        # EXACT_DRIVER: see above (contention, not memory)
+        with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node, EXACT_DRIVER) as w:
             frozen = w.start(argv=["/bin/sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh",
                                    str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "0.8"])
             w.wait_line(frozen, "ready")
