@@ -31,6 +31,33 @@ CONTEXT_BYTES = DEFAULT_CONTEXT_MIB * MIB  # what NVML counts per process after 
 # workload asks for pins this instead -- no context memory, one object per allocation --
 # and says why where it does.
 EXACT_DRIVER = driver_env(suballoc_mib=0, context_mib=0)
+KIB = 1024
+RECORDED_CONTEXT_MIB = [6, *[2] * 14, 70]  # the H100 context's memory objects, then the rest in one
+
+
+def rm_size(nbytes: int) -> int:
+    """The size RM gives a memory object of `nbytes` (sim README "Sizes": 2 MiB pages from
+    2 MiB up, 64 KiB pages below)."""
+    page = 2 * MIB if nbytes >= 2 * MIB else 64 * KIB
+    return -(-nbytes // page) * page
+
+
+def context_objects(context_mib: int = DEFAULT_CONTEXT_MIB) -> list[int]:
+    """The sizes of a context's own class-0x40 memory objects, in the order it allocates
+    them (sim README "Driver traffic", GPUWATCH_SIM_CONTEXT_MIB): the recorded H100
+    context's pieces, the rest in one, each capped at what is left and kept a multiple of
+    2 MiB, an odd last MiB on its own. The default context's are 17 objects, 518 MiB."""
+    pieces, left = [], context_mib * MIB
+    while left:
+        cap = RECORDED_CONTEXT_MIB[len(pieces)] * MIB if len(pieces) < len(RECORDED_CONTEXT_MIB) else left
+        piece = min(left, cap)
+        piece -= piece % (2 * MIB) if piece >= 2 * MIB else 0
+        pieces.append(piece)
+        left -= piece
+    return [rm_size(p) for p in pieces]
+
+
+CONTEXT_MEMORY_OBJECTS = len(context_objects())  # class-0x40 RM_ALLOCs of a default context (17)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from gpuwatch.sim import status
-from tests.system.sim_helpers import GIB, MIB, private_node, workers
+from tests.system.sim_helpers import CONTEXT_BYTES, GIB, MIB, private_node, workers
 
 
 def _run_argv(node_name: str, *args: str) -> list[str]:
@@ -79,7 +79,7 @@ def test_hold_pattern_reports_progress_and_checkpoints_on_signal(tmp_path: Path)
         second = int(progress_file.read_text().split()[0])
         assert second > first
         held = {p.host_pid: p.memory_bytes for p in status(node).processes}
-        assert held == {proc.pid: 128 * MIB}
+        assert held == {proc.pid: CONTEXT_BYTES + 128 * MIB}  # NVML's: the context's memory and the steps'
         proc.send_signal(signal.SIGUSR1)
         assert proc.wait(timeout=10) == 0
         checkpoint = w.wait_line(proc, "checkpoint")
@@ -89,13 +89,14 @@ def test_hold_pattern_reports_progress_and_checkpoints_on_signal(tmp_path: Path)
 
 
 def test_leak_pattern_runs_into_oom(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+    # 1 GiB of room beside the workload's context (its memory counts against the device)
+    with private_node(tmp_path, devices=1, memory_bytes=CONTEXT_BYTES + GIB) as node, workers(node) as w:
         proc = w.start(
             argv=_run_argv(node.name, "--leak", "--mib-per-step", "300", "--steps", "0", "--interval-s", "0.01")
         )
         assert proc.wait(timeout=20) == 2
         oom = w.wait_line(proc, "oom")
-    assert int(oom[2]) == 900 * MIB  # three steps fit into 1 GiB, the fourth does not
+    assert int(oom[2]) == 900 * MIB  # three steps fit into the 1 GiB left beside the context, the fourth does not
 
 
 def test_free_pattern_returns_memory(tmp_path: Path) -> None:
@@ -103,14 +104,17 @@ def test_free_pattern_returns_memory(tmp_path: Path) -> None:
         proc = w.start(
             argv=_run_argv(node.name, "--free", "--mib-per-step", "100", "--steps", "3", "--interval-s", "0.3")
         )
-        seen = set()
+        # the device's used memory over time: the context's alone, with a step, then
+        # back to the context's (the process lives on after its steps, holding its context)
+        seen: list[int] = []
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            st = status(node)
-            seen.add(st.devices[0].memory_used_bytes)
-            if proc.poll() is not None or (len(seen) > 1 and 0 in seen):
+            seen.append(status(node).devices[0].memory_used_bytes)
+            stepped = CONTEXT_BYTES + 100 * MIB in seen
+            if proc.poll() is not None or (stepped and seen[-1] == CONTEXT_BYTES):
                 break
             time.sleep(0.05)
         ready = w.wait_line(proc, "ready")
-    assert 100 * MIB in seen
+    assert CONTEXT_BYTES + 100 * MIB in seen
+    assert seen[-1] == CONTEXT_BYTES  # the step's memory returned
     assert int(ready[2]) == 0
