@@ -17,7 +17,7 @@ import pytest
 
 from gpuwatch.sim import SimNode, sim_env
 from tests.conftest import need_binary
-from tests.system.sim_helpers import GIB, MIB, private_node
+from tests.system.sim_helpers import CONTEXT_MEMORY_OBJECTS, GIB, MIB, context_objects, private_node
 
 RM_ALLOC_NVOS64 = 0xC030462B  # _IOWR('F', 0x2B, 48 bytes)
 RM_ALLOC_NVOS21 = 0xC020462B  # _IOWR('F', 0x2B, 32 bytes)
@@ -66,8 +66,9 @@ def test_strace_sees_device_opens_and_rm_ioctls(tmp_path: Path, layout: str, all
     ctl = str(dev / "nvidiactl")
     assert calls.count((ctl, CARD_INFO_32)) == 1
     assert calls.count((ctl, RM_CONTROL_NVOS54)) == 1  # GET_ID_INFO_V2 of the one GPU used
-    assert calls.count((ctl, alloc_cmd)) == CONTEXT_OBJECTS + 3
-    assert calls.count((ctl, RM_FREE_NVOS00)) == 3
+    # the context's objects and its own memory (17 class-0x40 objects, as the H100's), then one per step
+    assert calls.count((ctl, alloc_cmd)) == CONTEXT_OBJECTS + CONTEXT_MEMORY_OBJECTS + 3
+    assert calls.count((ctl, RM_FREE_NVOS00)) == 3  # the steps'; the context's go with the process
     assert all(path == ctl for path, cmd in calls if (cmd >> 8) & 0xFF == ord("F"))
 
 
@@ -169,27 +170,31 @@ def test_tracepoint_reads_real_rm_alloc_and_free_layout(tmp_path: Path, bpf_modu
         events = _trace_worker(node, bpf_module)
     allocs = [e for e in events if e[0] == RM_ALLOC_NVOS64 and struct.unpack_from("<I", e[1], 12)[0] == 0x40]
     frees = [e for e in events if e[0] == RM_FREE_NVOS00]
-    assert len(allocs) == 4 and len(frees) == 4
-    roots, handles = set(), []
+    # the context's own memory objects first (freed with the process: no RM_FREE), then the steps'
+    context = context_objects()
+    assert len(allocs) == len(context) + 4 and len(frees) == 4
+    roots, handles, sizes = set(), [], []
     for _, args, params in allocs:
         h_root, h_parent, h_new, h_class = struct.unpack_from("<4I", args, 0)
         params_size, _flags, status = struct.unpack_from("<3I", args, 32)
         assert h_class == 0x40  # NV01_MEMORY_LOCAL_USER
-        assert params_size == 128
+        assert params_size == 0  # as real libcuda 580 sends it: RM sizes pAllocParms by the class
         assert status == 0
-        # NV_MEMORY_ALLOCATION_PARAMS.size: the 5 MiB asked for, rounded to 2 MiB pages by
-        # RM -- the sim's driver writes its answer before the syscall, so entry sees it too
-        assert struct.unpack_from("<Q", params, 64)[0] == 6 * MIB
+        # NV_MEMORY_ALLOCATION_PARAMS.size: RM's rounded size -- the sim's driver writes
+        # its answer before the syscall, so entry sees it too
+        sizes.append(struct.unpack_from("<Q", params, 64)[0])
         roots.add((h_root, h_parent))
         handles.append(h_new)
+    # the steps: the 5 MiB asked for, rounded to 2 MiB pages
+    assert sizes == [*context, *[6 * MIB] * 4]
     assert len(roots) == 1  # one client (hRoot) per process, one device parent
-    assert len(set(handles)) == 4  # unique per allocation
+    assert len(set(handles)) == len(allocs)  # unique per allocation
     freed = []
     for _, args, _ in frees:
         h_root, h_parent, h_old, status = struct.unpack_from("<4I", args[:16], 0)
         assert (h_root, h_parent) in roots
         freed.append(h_old)
-    assert sorted(freed) == sorted(handles)
+    assert sorted(freed) == sorted(handles[len(context):])  # the steps' objects
 
 
 def test_device_handle_handshake_precedes_memory_allocations(tmp_path: Path, bpf_module: Any) -> None:
@@ -197,7 +202,8 @@ def test_device_handle_handshake_precedes_memory_allocations(tmp_path: Path, bpf
         events = _trace_worker(node, bpf_module)
     allocs = [(*struct.unpack_from("<4I", args, 0), params) for cmd, args, params in events if cmd == RM_ALLOC_NVOS64]
     classes = [a[3] for a in allocs]
-    assert classes == [0x41, 0x80, 0x2080, 0x90F1, 0x40, 0x40, 0x40, 0x40]
+    # client, device, subdevice, VA space, the context's memory objects, the 4 steps'
+    assert classes == [0x41, 0x80, 0x2080, 0x90F1, *[0x40] * (CONTEXT_MEMORY_OBJECTS + 4)]
     (client_root, client_parent, client_new, _, _), device, subdevice = allocs[0], allocs[1], allocs[2]
     assert client_root == client_parent == client_new  # the RM client is its own root
     assert device[0] == client_root and device[1] == client_new
