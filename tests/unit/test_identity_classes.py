@@ -197,3 +197,24 @@ def test_context_labels() -> None:
 def test_uid_from_status() -> None:
     assert parse_uid("Name:\tpython\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\n") == 1000
     assert parse_uid("Name:\tx\n") is None
+
+
+def test_policies_match_a_slurm_job_or_user() -> None:
+    from dataclasses import replace
+
+    from gpuwatch.policy.loader import check_policy_text
+    from gpuwatch.policy.match import select_rule
+
+    policy, issues = check_policy_text(
+        "rules:\n"
+        "  - name: job-42\n    match: {namespace: slurm, pod: job-42}\n    limits: {gpu_memory: 10GiB}\n"
+        "  - name: alice\n    match: {namespace: slurm, labels: {slurm_user: alice}}\n"
+        "    limits: {gpu_memory: 20GiB}\n")
+    assert policy is not None and not issues
+    step = _of(v2("/system.slice/slurmstepd.scope/job_42/step_0/user/task_0"))
+    assert select_rule(policy, step).rule.name == "job-42"  # type: ignore[union-attr]
+    other = replace(_of(v2("/system.slice/slurmstepd.scope/job_43/step_0/user/task_0")),
+                    labels=(("slurm_job", "43"), ("slurm_step", "0"), ("slurm_user", "alice")))
+    assert select_rule(policy, other).rule.name == "alice"  # type: ignore[union-attr]
+    bob = replace(other, labels=(("slurm_user", "bob"),))
+    assert select_rule(policy, bob).rule is None
