@@ -3,9 +3,9 @@
 A CUDA program on the sim's stub libcuda (the driven program of test_sim_driver_traffic.py)
 runs in a cgroup of its own while the real probes watch the sim's device nodes. After each
 step the probes' live bytes per GPU (the agent's reader) must equal NVML's per-process
-number minus the process's resident managed memory (nvidia-uvm chunks: not RM objects, and
-not counted by the decoder): context objects, chunks of suballocation, vid-heap objects,
-frees by parent, client free and close of nvidiactl included.
+number (RM's live memory objects: managed memory is in neither, as on the H100): context
+objects, chunks of suballocation, vid-heap objects, frees by parent, client free and close
+of nvidiactl included, in the stub's real-CUDA defaults as in the other modes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import SimNode, sim_env, status
-from gpuwatch.sim.node import driver_env
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, DEFAULT_SUBALLOC_MIB, driver_env
 from tests.conftest import need_bcc
 from tests.system.sim_helpers import GIB, MIB, cgroup2_root, private_node, run_nvml
 from tests.system.test_sim_driver_traffic import DRIVEN
@@ -84,13 +84,12 @@ class Program:
 
 
 def _rm_bytes_by_nvml(node: SimNode, pid: int) -> dict[int, int]:
-    """NVML's per-process used memory per GPU, less the resident managed memory (sim ledger)."""
+    """NVML's per-process used memory per GPU (RM's memory objects; no managed memory)."""
     used = run_nvml(node, "out = {}\nfor i in range(pynvml.nvmlDeviceGetCount()):\n"
                           "    h = pynvml.nvmlDeviceGetHandleByIndex(i)\n"
                           "    out[i] = {str(p.pid): p.usedGpuMemory for p in "
                           "pynvml.nvmlDeviceGetComputeRunningProcesses(h)}\nprint(json.dumps(out))")
-    managed = {p.device: p.managed_bytes for p in status(node).processes if p.host_pid == pid}
-    return {int(gpu): procs.get(str(pid), 0) - managed.get(int(gpu), 0) for gpu, procs in used.items()}
+    return {int(gpu): procs.get(str(pid), 0) for gpu, procs in used.items()}
 
 
 def _probe_bytes(pm: ProbeManager, cgroup_id: int) -> dict[int, int]:
@@ -110,9 +109,11 @@ def _agree(pm: ProbeManager, node: SimNode, prog: Program, cgroup_id: int, step:
     ("vid-heap", 0, 5, "free-client"),
     ("rm-alloc", 16, 5, "close-fd"),
     ("vid-heap", 16, 2, "free-device"),
+    ("rm-alloc", DEFAULT_SUBALLOC_MIB, DEFAULT_CONTEXT_MIB, None),  # the stub's defaults: real CUDA's shape
 ])
 def test_probe_bytes_follow_nvml_in_every_sim_mode(node: SimNode, manager: ProbeManager, alloc_path: str,
-                                                   suballoc_mib: int, context_mib: int, teardown: str) -> None:
+                                                   suballoc_mib: int, context_mib: int, teardown: str | None
+                                                   ) -> None:
     cgroup = cgroup2_root() / f"gpuwatch-test-modes-{os.getpid()}-{alloc_path}-{suballoc_mib}-{teardown}"
     cgroup.mkdir()
     prog = Program(node, cgroup, driver_env(alloc_path=alloc_path, suballoc_mib=suballoc_mib,
@@ -122,6 +123,8 @@ def test_probe_bytes_follow_nvml_in_every_sim_mode(node: SimNode, manager: Probe
         prog.ok("ctx", 0)
         ptrs = [int(prog.ok("alloc", size)[1]) for size in (1024, 100 * 1024, 3 * MIB, 40 * MIB)]
         prog.ok("managed", 3 * MIB)
+        # the managed range is in the sim's ledger (UVM's 2 MiB chunks) but not an RM object
+        assert {p.device: p.managed_bytes for p in status(node).processes if p.host_pid == prog.pid} == {0: 4 * MIB}
         _agree(manager, node, prog, cg_id, "gpu 0 allocated")
         prog.ok("ctx", 1)
         prog.ok("alloc", 5 * MIB)
