@@ -24,6 +24,7 @@ from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.conftest import need_bcc
+from tests.system.sim_helpers import CONTEXT_BYTES, CONTEXT_MEMORY_OBJECTS, context_objects
 
 MiB = 1 << 20
 
@@ -79,19 +80,25 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
         resolver = IdentityResolver(bundle_roots=BundleRoots(
             containerd_tasks=(str(tmp_path / "bundles"),), runc_state=(str(tmp_path / "runc"),),
             docker_containers=(str(tmp_path / "docker" / "containers"),)))
-        for container, pod, gpu, steps, expected in ((a, "pod-a", 0, 3, 3 * 64 * MiB),
-                                                     (b, "pod-b", 1, 5, 5 * 32 * MiB)):
+        for container, pod, gpu, steps, requested in ((a, "pod-a", 0, 3, 3 * 64 * MiB),
+                                                      (b, "pod-b", 1, 5, 5 * 32 * MiB)):
             cg_id = container.v2_dir.stat().st_ino
-            sim_bytes = sum(p.memory_bytes for p in ledger.processes if p.host_pid in container.pids())
-            assert sim_bytes == expected
+            mine = [p for p in ledger.processes if p.host_pid in container.pids()]
+            sim_bytes = sum(p.memory_bytes for p in mine)
+            # NVML's per-process bytes: the context's own memory (518 MiB) and the steps'
+            assert sim_bytes == CONTEXT_BYTES + requested
+            assert sum(p.requested_bytes for p in mine) == requested
             c = _counters(pm, cg_id)
-            assert c.cuda_allocated_bytes == sim_bytes
+            # the libcuda uprobes see the cuMemAlloc calls (what the workload asked for), the
+            # ioctl probes RM's objects, the context's included (what NVML counts)
+            assert c.cuda_allocated_bytes == requested
             # the sim allocates on nvidiactl under the device object its context allocated
             # (deviceId = RM's device instance, not the minor): the bytes belong to that GPU
             assert dict(c.allocated_bytes_by_gpu) == {gpu: sim_bytes}
-            # the context's client, device, subdevice and VA space, then one per step
-            assert dict(c.ioctl_calls_by_op)["rm_alloc"] == 4 + steps
-            assert c.cuda_allocations_total == steps
+            # the context's client, device, subdevice and VA space, its 17 memory objects,
+            # then one per step
+            assert dict(c.ioctl_calls_by_op)["rm_alloc"] == 4 + CONTEXT_MEMORY_OBJECTS + steps
+            assert c.cuda_allocations_total == steps  # cuMemAlloc calls: the context's are not
             identity = resolver.identity_for_cgroup_id(cg_id)
             assert identity is not None
             assert (identity.pod_name, identity.pod_namespace) == (pod, "probe-test")
@@ -137,4 +144,6 @@ def test_trace_filters_one_pod_of_the_sim_node(sim: simnode.SimNode, tmp_path: P
     kinds = [e["event"] for e in events]
     assert kinds[0] == "new_gpu_process" and kinds[-1] == "process_exit"
     assert [e["size_bytes"] for e in events if e["event"] == "alloc" and e["source"] == "cuda"] == [8 * MiB] * 3
-    assert [e["size_bytes"] for e in events if e["event"] == "alloc" and e["source"] == "ioctl"] == [8 * MiB] * 3
+    # the driver's view: the context's own memory objects, then the steps'
+    assert [e["size_bytes"] for e in events if e["event"] == "alloc" and e["source"] == "ioctl"] == [
+        *context_objects(), *[8 * MiB] * 3]

@@ -3,7 +3,8 @@
 The command runs as its own process (as a user would run it), pointed at the sim's fake
 libnvidia-ml.so.1 with --nvml-library. The pods are real runc containers in kubepods
 cgroups running simulated GPU workloads with known memory; `top` must list each with its
-host PID, its PID inside the container (NSpid) and exactly the memory it allocated.
+host PID, its PID inside the container (NSpid) and exactly the memory NVML counts for it:
+what it allocated plus its CUDA context's own memory (518 MiB, as on the H100).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import need_root
+from tests.system.sim_helpers import CONTEXT_BYTES
 
 MIB = 1 << 20
 
@@ -55,7 +57,7 @@ def test_once_json_lists_each_pod_with_host_and_container_pids(node: object) -> 
         assert entry is not None, f"{container.id} missing from {sorted(by_id)}"
         workload = workloads[container.name]
         assert entry["gpu_index"] == workload.gpu
-        assert entry["memory_bytes"] == workload.memory_mib * MIB
+        assert entry["memory_bytes"] == CONTEXT_BYTES + workload.memory_mib * MIB  # one process, one context
         pids = {(p["pid"], p["container_pid"]) for p in entry["processes"]}
         assert pids, f"no processes listed for {container.name}"
         in_cgroup = set(container.pids())
