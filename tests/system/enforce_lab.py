@@ -154,6 +154,14 @@ class CgroupLab:
                     time.sleep(0.05)
 
 
+def v2_cgroup_id(cgroup_path: str) -> int | None:
+    """The cgroup id the resolver gives a path that is a cgroup v2 directory (its inode), else
+    None (a v1-only cgroup: the enforcer then refuses in-kernel limits for it, and audits that)."""
+    v2, _ = detect_roots()
+    directory = v2 / cgroup_path.lstrip("/") if v2 is not None else None
+    return directory.stat().st_ino if directory is not None and directory.is_dir() else None
+
+
 def identity(cgroup_path: str, name: str, namespace: str = "lab") -> ContainerIdentity:
     return ContainerIdentity(
         runtime="k8s",
@@ -162,6 +170,7 @@ def identity(cgroup_path: str, name: str, namespace: str = "lab") -> ContainerId
         container_name=name,
         pod_name=f"pod-{name}",
         pod_namespace=namespace,
+        cgroup_id=v2_cgroup_id(cgroup_path),
     )
 
 
@@ -187,6 +196,7 @@ def identity_of(container: RunningContainer) -> ContainerIdentity:
         container_name=container.name,
         pod_name=container.pod or "",
         pod_namespace=container.namespace,
+        cgroup_id=v2_cgroup_id(container.cgroup_path),
     )
 
 
