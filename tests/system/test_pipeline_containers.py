@@ -3,7 +3,8 @@ attribution -> /metrics over HTTP from a running `gpuwatch agent`.
 
 Three runc (k8s-style) containers in two namespaces run the sim's native `simworker`
 with known memory and duty. Checked against ground truth, not against our own numbers:
-* each container's memory on its GPU is exactly what its workload allocated;
+* each container's memory on its GPU is exactly what NVML counts for its workload: what it
+  allocated plus its CUDA context's own memory (518 MiB, as on the H100);
 * its kernel seconds are within 10% of the busy time the sim's ledger recorded for its
   processes (the containers are frozen before comparing, so both sides stand still);
 * namespace / pod / container labels come from the OCI bundle annotations;
@@ -32,7 +33,7 @@ from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, inject_fault, sim_env, status, up
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.system.promstack import free_port
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node
 
 MIB = 1 << 20
 INTERVAL_S = 0.5
@@ -51,7 +52,8 @@ class Workload:
 
     @property
     def memory_bytes(self) -> int:
-        return self.mib * self.steps * MIB
+        """NVML's number for the container's one process: its steps and its context's memory."""
+        return self.mib * self.steps * MIB + CONTEXT_BYTES
 
 
 WORKLOADS = (

@@ -15,8 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpuwatch.sim.demo import DEFAULT_WORKLOADS
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port
+from tests.system.sim_helpers import CONTEXT_BYTES, GIB, MIB
 
 
 def _leftovers() -> set[str]:
@@ -45,7 +47,10 @@ def test_quickstart_simulates_three_pods_with_probes_and_enforcer_and_cleans_up(
     assert proc.returncode == 0, proc.stderr
     assert "SIMULATED GPU node" in proc.stderr
     assert "SIMULATED GPU NODE" in proc.stdout
-    for pod, memory in (("trainer-0", "20.0 GiB"), ("notebook-1", "8.0 GiB"), ("server-0", "12.0 GiB")):
+    # each pod's one process: what it allocated (20, 8, 12 GiB) and its CUDA context's 518 MiB
+    shown = {w.pod: f"{(w.memory_mib * MIB + CONTEXT_BYTES) / GIB:.1f} GiB" for w in DEFAULT_WORKLOADS}
+    assert shown == {"trainer-0": "20.5 GiB", "notebook-1": "8.5 GiB", "server-0": "12.5 GiB"}
+    for pod, memory in shown.items():
         line = _pod_line(proc.stdout, pod)
         assert memory in line, proc.stdout
         assert "/1" in line, f"host/container PIDs missing: {line}"
