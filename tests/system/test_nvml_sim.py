@@ -1,8 +1,9 @@
 """NvmlBackend against the simulated node's fake libnvidia-ml.so.1 (the real NVML ABI).
 
 Workloads are the sim's native `simworker` processes allocating through the stub
-libcuda; the backend must report exactly the bytes each pid holds, their SM share, the
-devices, and turn lost GPUs into unhealthy devices / a failed sweep -- never a crash.
+libcuda; the backend must report exactly the bytes each pid holds (its allocations and,
+as on a real GPU, its CUDA context's own memory), their SM share, the devices, and turn
+lost GPUs into unhealthy devices / a failed sweep -- never a crash.
 
 The backend runs in a fresh interpreter per step: pynvml (and the fake library) keep
 the first NVML library and state file they opened for the life of a process.
@@ -23,6 +24,7 @@ import pytest
 
 from gpuwatch.sim import SimNode, down, inject_fault, sim_env, up
 from gpuwatch.sim.node import driver_env
+from tests.system.sim_helpers import CONTEXT_BYTES
 
 MIB = 1 << 20
 
@@ -88,8 +90,9 @@ def start_worker(node: SimNode, gpu: int, mib: float, steps: int = 1, duty: floa
 def test_backend_reads_exact_per_pid_memory_devices_and_sm_share(node: SimNode) -> None:
     workers = [start_worker(node, 0, 64, steps=3, duty=0.5), start_worker(node, 0, 100),
                start_worker(node, 1, 256, duty=1.0)]
-    expected = {(workers[0].pid, 0): 192 * MIB, (workers[1].pid, 0): 100 * MIB,
-                (workers[2].pid, 1): 256 * MIB}
+    # each process: its steps and its context's 518 MiB
+    expected = {(workers[0].pid, 0): CONTEXT_BYTES + 192 * MIB, (workers[1].pid, 0): CONTEXT_BYTES + 100 * MIB,
+                (workers[2].pid, 1): CONTEXT_BYTES + 256 * MIB}
     try:
         time.sleep(1.0)
         first, second, meta = sweeps(node, 2, 1.0)
@@ -108,7 +111,8 @@ def test_backend_reads_exact_per_pid_memory_devices_and_sm_share(node: SimNode) 
         assert d["temperature_celsius"] is not None and d["power_watts"] is not None
     got = {(p["pid"], p["gpu_index"]): p for p in second["processes"]}
     assert {k: p["memory_bytes"] for k, p in got.items()} == expected
-    assert devices[0]["memory_used_bytes"] >= 292 * MIB  # NVML's used includes driver reserve, if any
+    # NVML's used includes driver reserve, if any
+    assert devices[0]["memory_used_bytes"] >= 2 * CONTEXT_BYTES + 292 * MIB
     util = {k: p["sm_utilization_ratio"] for k, p in got.items()}
     # The busy share is what the stub recorded (CPU-burning "kernels" on a shared 2-core VM),
     # so only its order is asserted here; kernel seconds are checked against the sim's own
@@ -125,12 +129,14 @@ def test_backend_per_pid_memory_is_the_drivers_objects_not_the_requests(node: Si
     workers = [
         # 3 x 1 MiB carved from one 8 MiB chunk, plus the context's 2 + 1 MiB
         start_worker(node, 0, 1, steps=3, driver=driver_env(suballoc_mib=8, context_mib=3)),
-        # 5 MiB through VID_HEAP_CONTROL, rounded to 2 MiB pages
+        # 5 MiB through VID_HEAP_CONTROL, rounded to 2 MiB pages, beside the default 518 MiB context
         start_worker(node, 0, 5, driver=driver_env(alloc_path="vid-heap")),
-        # 100 KiB rounded to 64 KiB pages (128 KiB), one object per allocation
-        start_worker(node, 1, 100 / 1024, steps=2),
+        # 100 KiB rounded to 64 KiB pages (128 KiB), one object per allocation (no carving:
+        # the default would carve both from one 2 MiB chunk), beside the default context
+        start_worker(node, 1, 100 / 1024, steps=2, driver=driver_env(suballoc_mib=0)),
     ]
-    expected = {(workers[0].pid, 0): 11 * MIB, (workers[1].pid, 0): 6 * MIB, (workers[2].pid, 1): 256 * 1024}
+    expected = {(workers[0].pid, 0): 11 * MIB, (workers[1].pid, 0): CONTEXT_BYTES + 6 * MIB,
+                (workers[2].pid, 1): CONTEXT_BYTES + 256 * 1024}
     try:
         (sweep, _meta) = sweeps(node, 1)
     finally:
@@ -138,7 +144,7 @@ def test_backend_per_pid_memory_is_the_drivers_objects_not_the_requests(node: Si
             w.kill()
             w.wait()
     assert {(p["pid"], p["gpu_index"]): p["memory_bytes"] for p in sweep["processes"]} == expected
-    assert [d["memory_used_bytes"] for d in sweep["devices"]] == [17 * MIB, 256 * 1024]
+    assert [d["memory_used_bytes"] for d in sweep["devices"]] == [CONTEXT_BYTES + 17 * MIB, CONTEXT_BYTES + 256 * 1024]
 
 
 def test_lost_gpu_is_unhealthy_and_all_lost_fails_the_sweep(node: SimNode) -> None:
@@ -158,7 +164,7 @@ def test_lost_gpu_is_unhealthy_and_all_lost_fails_the_sweep(node: SimNode) -> No
     assert any("lost" in e.lower() for e in one_lost["errors"])
     assert "all 2 GPUs are lost" in all_lost["failed"]
     assert all(d["healthy"] for d in cleared["devices"])
-    assert [p["memory_bytes"] for p in cleared["processes"]] == [32 * MIB]
+    assert [p["memory_bytes"] for p in cleared["processes"]] == [CONTEXT_BYTES + 32 * MIB]  # its step and context
     assert meta["errors_total"] >= 1
 
 
