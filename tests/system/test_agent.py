@@ -27,7 +27,7 @@ from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port, run_alertmanager, run_prometheus
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, CONTEXT_MEMORY_OBJECTS, private_node
 
 TOKEN = "agent-test-token-0123456789abcdef"
 MIB = 1 << 20
@@ -151,16 +151,24 @@ def test_agent_serves_exact_memory_with_pod_labels(tmp_path: Path, agent_env: di
                            for w in demo.DEFAULT_WORKLOADS)
             wait_until(all_three, 20, "three pods in /metrics")
             text = scrape(port)
+            # each pod's process holds its CUDA context (518 MiB, as on an H100) beside its memory
             for w in demo.DEFAULT_WORKLOADS:
                 got = sample(text, "gpuwatch_container_memory_bytes", namespace=w.namespace, pod=w.pod,
                              container=w.container, gpu=str(w.gpu))
-                assert got == w.memory_mib * MIB, (w, got)
-            assert sample(text, "gpuwatch_namespace_memory_bytes", namespace="ml-team") == (20480 + 8192) * MIB
+                assert got == w.memory_mib * MIB + CONTEXT_BYTES, (w, got)
+            assert sample(text, "gpuwatch_namespace_memory_bytes", namespace="ml-team") == \
+                (20480 + 8192) * MIB + 2 * CONTEXT_BYTES
             assert sample(text, "gpuwatch_gpu_backend_up") == 1
             assert sample(text, "gpuwatch_probes_up") == 1
-            for w in demo.DEFAULT_WORKLOADS:  # one allocation each, decoded from RM_ALLOC by the probes
-                assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) == 1, w
-                assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == w.memory_mib * MIB, w
+            # the context's class-0x40 objects and the pod's one allocation, decoded from RM_ALLOC by
+            # the probes: what the sim's ledger (RM's view) holds for the pod's process
+            ledger = {(p.device, p.memory_bytes): p for p in simnode.status(sim).processes}
+            for w in demo.DEFAULT_WORKLOADS:
+                proc = ledger[(w.gpu, w.memory_mib * MIB + CONTEXT_BYTES)]
+                assert proc.rm_objects == CONTEXT_MEMORY_OBJECTS + 1, (w, proc)
+                assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) == proc.rm_objects, w
+                assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == \
+                    proc.rm_memory_bytes == w.memory_mib * MIB + CONTEXT_BYTES, w
 
 
 def test_alert_driven_pause_then_sigterm_thaws(tmp_path: Path, agent_env: dict[str, str]) -> None:
@@ -239,14 +247,15 @@ def test_agent_started_after_the_pods_counts_their_later_allocations_only(
                 allocs = sample(text, "gpuwatch_container_allocations_total", pod="leaker-0")
                 live = sample(text, "gpuwatch_container_allocated_bytes", pod="leaker-0", gpu="0")
                 nvml = sample(text, "gpuwatch_container_memory_bytes", pod="leaker-0")
-                return ("ready" in leak.logs() and nvml == steps * 64 * MIB and allocs is not None
+                return ("ready" in leak.logs() and nvml == steps * 64 * MIB + CONTEXT_BYTES and allocs is not None
                         and live == allocs * 64 * MIB)
             wait_until(leaker_done_and_counted, 60, "the leaker's allocations in /metrics")
             text = scrape(port)
             allocs = sample(text, "gpuwatch_container_allocations_total", pod="leaker-0")
             assert allocs is not None and 0 < allocs < steps, allocs  # some were before the agent
             assert sample(text, "gpuwatch_container_allocated_bytes", pod="leaker-0", gpu="0") == allocs * 64 * MIB
-            for w in demo.DEFAULT_WORKLOADS:  # allocated before the agent, nothing since
+            for w in demo.DEFAULT_WORKLOADS:  # allocated (context and all) before the agent, nothing since
                 assert sample(text, "gpuwatch_container_allocations_total", pod=w.pod) in (None, 0), w
                 assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) in (None, 0), w
-                assert sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) == w.memory_mib * MIB, w
+                assert sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) == \
+                    w.memory_mib * MIB + CONTEXT_BYTES, w
