@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import node as simnode
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
 from tests.system.enforce_lab import audit_decisions
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.slow]
 MIB = 1024**2
-LIMIT_MIB = 600
+LIMIT_MIB = 600 + DEFAULT_CONTEXT_MIB  # 600 MiB of data beside the CUDA context, as a real user sizes it
 
 POLICY = f"""
 rules:
@@ -136,4 +137,4 @@ def test_over_limit_container_is_killed_through_the_real_pipeline(sim: simnode.S
     (record,) = audit_decisions(tmp_path / "audit.jsonl")
     assert record["action"] == "kill" and record["result"] == "ok"
     assert record["target"]["namespace"] == "ml" and record["target"]["pod"] == "job-0"  # type: ignore[index]
-    assert record["measured"]["memory_bytes"] == 768 * MIB  # type: ignore[index]
+    assert record["measured"]["memory_bytes"] == 768 * MIB + CONTEXT_BYTES  # type: ignore[index]
