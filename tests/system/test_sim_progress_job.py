@@ -50,7 +50,8 @@ def job_args(tmp_path: Path, name: str, work_s: float = 1.0, rate: float = 1.0) 
 
 
 def test_work_takes_twice_as_long_when_two_jobs_share_a_gpu(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+    # 2 GiB: room for the two jobs' 518 MiB contexts at once
+    with private_node(tmp_path, devices=1, memory_bytes=2 * GIB) as node, workers(node) as w:
         alone = Job(w, *job_args(tmp_path, "alone"))
         assert alone.finish() == 0
         pair = [Job(w, *job_args(tmp_path, f"shared{i}", rate=0.5 + i)) for i in range(2)]

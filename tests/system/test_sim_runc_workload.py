@@ -17,6 +17,7 @@ import pytest
 
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+from tests.system.sim_helpers import CONTEXT_BYTES
 
 MIB = 1024**2
 
@@ -58,7 +59,8 @@ def test_contained_workload_is_seen_with_its_host_pid(sim: simnode.SimNode, tmp_
 
         ours = [p for p in simnode.status(sim).processes if p.host_pid == container.host_pid]
         assert len(ours) == 1, (container.host_pid, simnode.status(sim).processes)
-        assert ours[0].memory_bytes == 256 * MIB
+        assert ours[0].requested_bytes == 256 * MIB  # what the workload asked for
+        assert ours[0].memory_bytes == CONTEXT_BYTES + 256 * MIB  # NVML's: with its context's 518 MiB
         assert ours[0].ns_pid == 1
         assert ours[0].pidns_inode == os.stat(f"/proc/{container.host_pid}/ns/pid").st_ino
 
