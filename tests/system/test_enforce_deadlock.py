@@ -1,5 +1,7 @@
 """The deadlock paper's scenario on the simulated node with runc pods: a 5 GiB GPU, two
-containers each hold 2 GiB and each ask for 2 GiB more, stopped at the allocation.
+containers each hold 2 GiB and each ask for 2 GiB more, stopped at the allocation. Each
+process also holds its CUDA context (518 MiB, as on an H100): the GPUs get room for both
+contexts on top, so the free memory is the paper's.
 
 The kernel probe's stop-at-allocation is played by the test (SIGSTOP + a
 STOPPED_AT_ALLOCATION event per container, exactly what the probe reports); everything
@@ -24,10 +26,11 @@ from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.system.enforce_lab import audit_decisions, identity_of, wait_ready
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
 MIB, GIB = 1024**2, 1024**3
+CONTEXTS = 2 * CONTEXT_BYTES  # the two workers' contexts
 
 POLICY = """
 deadlock: {enabled: true, action: checkpoint-then-kill, signal: SIGUSR1, grace: 10s, blocked_window: 30s}
@@ -44,7 +47,7 @@ rules:
 
 @pytest.fixture
 def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
-    with private_node(tmp_path, devices=1, memory_bytes=5 * GIB) as node:
+    with private_node(tmp_path, devices=1, memory_bytes=5 * GIB + CONTEXTS) as node:
         yield node
 
 
@@ -145,7 +148,8 @@ def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Pa
             assert (markers / "low-0").exists(), "the victim checkpointed before it ended"
             # The victim's 2 GiB are back: the survivor's stopped allocation now fits.
             deadline = time.monotonic() + 5
-            while simnode.status(sim).devices[0].memory_used_bytes > 2 * GIB and time.monotonic() < deadline:
+            while (simnode.status(sim).devices[0].memory_used_bytes > 2 * GIB + CONTEXT_BYTES
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
             decisions = enforcer.on_snapshot(ledger_snapshot(sim, [high]), events)
             assert [(d.verb.value, d.target.pod_name, d.continue_stopped) for d in decisions] == [
@@ -169,12 +173,13 @@ def frozen(c: RunningContainer) -> bool:
 
 
 def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp_path: Path) -> None:
-    """8 GiB GPU, both hold 2 GiB and want 3 GiB more (10 > 8): the high-priority one
+    """8 GiB GPU (plus the contexts), both hold 2 GiB and want 3 GiB more (10 > 8): the high-priority one
     continues, the low one waits paused; when the high one ends, the low one resumes."""
     markers = tmp_path / "markers"
     markers.mkdir()
     simnode.down(sim.name, state_path=sim.state_path)
-    node = simnode.up(devices=1, memory_bytes=8 * GIB, name=sim.name, state_path=sim.state_path, root=sim.root)
+    node = simnode.up(devices=1, memory_bytes=8 * GIB + CONTEXTS, name=sim.name, state_path=sim.state_path,
+                      root=sim.root)
     (tmp_path / "policy.yaml").write_text("fair_share: {enabled: true}\n" + POLICY)
     with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
         low, high = start(lab, node, markers, "low-0"), start(lab, node, markers, "high-0")
@@ -202,12 +207,13 @@ def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp
             decisions = enforcer.on_snapshot(ledger_snapshot(node, [low, high]), events)
             assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "high-0"), ("pause", "low-0")]
             limits = enforcer.last_result.effective_limits_bytes if enforcer.last_result else {}
-            assert limits[high.id] > limits[low.id] and sum(limits.values()) <= 8 * GIB
+            assert limits[high.id] > limits[low.id] and sum(limits.values()) <= 8 * GIB + CONTEXTS
             time.sleep(0.2)
             assert not any(stopped(pid) for pid in high.pids()) and frozen(low)
             high.stop()
             deadline = time.monotonic() + 5
-            while simnode.status(node).devices[0].memory_used_bytes > 2 * GIB and time.monotonic() < deadline:
+            while (simnode.status(node).devices[0].memory_used_bytes > 2 * GIB + CONTEXT_BYTES
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
             decisions = enforcer.on_snapshot(ledger_snapshot(node, [low]), events)
             assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "low-0")]
