@@ -991,7 +991,7 @@ def run(plan: Plan, work: Path) -> int:
             base = f"http://127.0.0.1:{port}"
 
             def queries_so_far() -> float:
-                return extender_counter(base, "gpuwatch_extender_prometheus_queries")
+                return extender_counter(base, "gpuwatch_extender_prometheus_queries_total")
 
             client = Client("127.0.0.1", port)
             try:

@@ -14,6 +14,7 @@ import sys
 import click
 
 from gpuwatch.cli.addresses import parse_listen
+from gpuwatch.cli.envvars import with_env_options
 from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
 
 log = logging.getLogger("gpuwatch.agent")
@@ -40,6 +41,7 @@ def _xid_list(text: str) -> frozenset[int]:
                                  param_hint="--health-ignore-xids") from err
 
 
+@with_env_options
 @click.command("agent")
 @click.option("--listen", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="Where /metrics is served. The DaemonSet uses 0.0.0.0:9400 (read-only endpoint). On a "
@@ -52,7 +54,7 @@ def _xid_list(text: str) -> frozenset[int]:
 @click.option("--interval", "interval_s", type=click.FloatRange(0.05, 3600), default=1.0,
               show_default=True, help="Sample interval in seconds.")
 @click.option("--nvml-library", envvar="GPUWATCH_NVML_LIBRARY", default=None, metavar="PATH",
-              help="Load this libnvidia-ml.so.1 (e.g. the simulated node's). Env: GPUWATCH_NVML_LIBRARY.")
+              help="Load this libnvidia-ml.so.1 (e.g. the simulated node's).")
 @click.option("--proc-root", default="/proc", show_default=True,
               help="Host /proc (in a container: the host's /proc mounted e.g. at /host/proc).")
 @click.option("--probes/--no-probes", "probes", default=None,
@@ -78,7 +80,7 @@ def _xid_list(text: str) -> frozenset[int]:
                    "restarted agent thaws it after a crash. A broken file is moved aside to FILE.bad.")
 @click.option("--lock-file", default="/run/gpuwatch/agent.lock", show_default=True, envvar="GPUWATCH_LOCK_FILE",
               help="One agent per node: a second agent exits at once, naming the holder's pid. Give "
-                   "each simulated node on one machine its own. Env: GPUWATCH_LOCK_FILE.")
+                   "each simulated node on one machine its own.")
 @click.option("--kmsg", "kmsg_path", default="/dev/kmsg", show_default=True, metavar="PATH|none",
               help="Kernel log to read the driver's Xid lines from (per-pod Xid counts). The simulated "
                    "node writes its own: <sim root>/kmsg. 'none' turns it off.")
@@ -112,6 +114,9 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
     --policy enforces limits (alert, throttle, pause, checkpoint-then-kill, kill).
     For schedulers it exports GPU health (with the reason), per-pod Xids, GPU topology,
     network and node rollups, and with --nfd-features-file keeps NFD labels up to date.
+
+    Every option can be set from the environment too, as GPUWATCH_AGENT_<OPTION> (the
+    variable is named with each option below); an argument wins over the environment.
     """
     from gpuwatch.agent import AgentConfig
 

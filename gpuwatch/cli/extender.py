@@ -10,6 +10,7 @@ from types import FrameType
 import click
 
 from gpuwatch.cli.addresses import parse_listen
+from gpuwatch.cli.envvars import with_env_options
 
 log = logging.getLogger("gpuwatch.extender")
 
@@ -34,6 +35,7 @@ def _size(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 512Mi, 1Gi)") from err
 
 
+@with_env_options
 @click.command("extender")
 @click.option("--listen", default="127.0.0.1:8888", show_default=True, metavar="HOST:PORT",
               help="Where kube-scheduler calls the verbs. In a cluster: 0.0.0.0:8888 behind a Service.")
@@ -76,6 +78,9 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
     (8Gi), gpuwatch.io/gpu-share ("0.5"), gpuwatch.io/sharing (exclusive|shared|auto),
     gpuwatch.io/remote-gpu ("true"). Configure it in a KubeSchedulerConfiguration with
     ignorable: true (deploy/scheduling/), so scheduling goes on when Prometheus is down.
+
+    Every option can be set from the environment too, as GPUWATCH_EXTENDER_<OPTION> (the
+    variable is named with each option below); an argument wins over the environment.
     """
     from gpuwatch.cluster.source import PrometheusCluster
     from gpuwatch.extender.placement import PlacementConfig

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuwatch.errors import GpuwatchError
@@ -45,6 +46,23 @@ VERBS = ("filter", "prioritize")
 StartResponse = Callable[..., Any]
 
 
+class _CallbackCounters:
+    """Counters whose totals live elsewhere (the cluster source counts its own queries):
+    exposed as real Prometheus counters (`_total`, TYPE counter) read at scrape time, so
+    rate() and increase() apply and resets are seen as resets."""
+
+    def __init__(self, counters: dict[str, tuple[str, Callable[[], float]]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        for name, (documentation, read) in self._counters.items():
+            yield CounterMetricFamily(name, documentation, value=read())
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        for name, (documentation, _read) in self._counters.items():
+            yield CounterMetricFamily(name, documentation)
+
+
 class ExtenderMetrics:
     """The extender's own metrics, in a private registry (no global side effects)."""
 
@@ -57,18 +75,15 @@ class ExtenderMetrics:
         self.latency = Histogram("gpuwatch_extender_request_duration_seconds", "Time to answer a verb.",
                                  ["verb"], registry=self.registry,
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
-        self.prometheus_errors = Gauge("gpuwatch_extender_prometheus_errors",
-                                       "Failed Prometheus queries since start (counter semantics).",
-                                       registry=self.registry)
-        self.prometheus_queries = Gauge("gpuwatch_extender_prometheus_queries",
-                                        "Prometheus queries made since start (counter semantics).",
-                                        registry=self.registry)
+        # counters named without the suffix: CounterMetricFamily appends `_total`
+        self.registry.register(_CallbackCounters({
+            "gpuwatch_extender_prometheus_errors": ("Failed Prometheus queries since start.",
+                                                    prometheus_errors or (lambda: 0.0)),
+            "gpuwatch_extender_prometheus_queries": ("Prometheus queries made since start.",
+                                                     prometheus_queries or (lambda: 0.0)),
+        }))
         self.promised = Gauge("gpuwatch_extender_promises", "Pods with memory promised but not seen yet.",
                               registry=self.registry)
-        if prometheus_errors is not None:
-            self.prometheus_errors.set_function(prometheus_errors)
-        if prometheus_queries is not None:
-            self.prometheus_queries.set_function(prometheus_queries)
         if promises is not None:
             self.promised.set_function(promises)
 
