@@ -51,6 +51,14 @@ RM_PARAMS_SIZES = ("zero", "class")  # what RM_ALLOC says in paramsSize: 0 (real
 DEFAULT_CONTEXT_MIB = 518
 DEFAULT_SUBALLOC_MIB = 2
 _NOT_UP_FIX = "run `gpuwatch sim up`"
+# NVML's process-utilisation sample period: NVML documents "between 1 second and 1/6 second
+# depending on the product" (nvmlDeviceGetProcessUtilization); the sim takes 1/6 s (csrc/simstate.h
+# SIM_DEFAULT_SAMPLE_PERIOD_NS), a ring of 72 periods per GPU as the real driver keeps.
+DEFAULT_SAMPLE_PERIOD_MS = 1000.0 / 6
+SAMPLE_RING_PERIODS = 72  # SIM_SAMPLE_RING
+# What each fake NVML call costs in CPU of the calling thread (csrc/nvml.c "cost model"):
+# "off" (default) or "h100-580" (an H100 with driver 580, ../shared/real-gpu/README.md section 3).
+NVML_COST_MODELS = {"off": 0, "h100-580": 1}
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,8 @@ class SimNode:
     topology: str = "pcie"  # one of TOPOLOGIES
     mps: int = 1  # kernels of up to this many contexts run at once per GPU (1: time-sliced)
     timeslice_ms: float = DEFAULT_TIMESLICE_MS  # run time after which a kernel yields to waiters
+    sample_period_ms: float = DEFAULT_SAMPLE_PERIOD_MS  # NVML process-utilisation sample period
+    nvml_cost: str = "off"  # one of NVML_COST_MODELS: CPU each fake NVML call burns
 
     @property
     def dev_dir(self) -> Path:
@@ -244,6 +254,13 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_uint,
             ctypes.c_uint,
         ]
+        lib.gpuwatchsim_configure.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint]
+        lib.gpuwatchsim_settings.argtypes = [
+            ctypes.c_char_p,
+            ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.POINTER(ctypes.c_uint),
+        ]
+        lib.gpuwatchsim_replay.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong]
         lib.gpuwatchsim_engine.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_EngineInfo)]
         lib.gpuwatchsim_inject.argtypes = [
             ctypes.c_char_p,
@@ -294,6 +311,8 @@ def up(
     topology: str = "pcie",
     mps: int = 1,
     timeslice_ms: float = DEFAULT_TIMESLICE_MS,
+    sample_period_ms: float = DEFAULT_SAMPLE_PERIOD_MS,
+    nvml_cost: str = "off",
 ) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
@@ -307,7 +326,11 @@ def up(
     GPU, all to NVSwitches); the PCIe common ancestors are the same in all three (see the
     README). `mps` is how many contexts' kernels run at once on one GPU: 1 (default) is a
     time-sliced GPU -- one kernel at a time, tenants take turns every `timeslice_ms` of
-    run time; N > 1 is MPS-like (up to N at once, each at full speed). Re-creating a node
+    run time; N > 1 is MPS-like (up to N at once, each at full speed). `sample_period_ms`
+    is the NVML process-utilisation sample period (default 1/6 s, see
+    DEFAULT_SAMPLE_PERIOD_MS; 10..1000 ms); `nvml_cost` ("off" or "h100-580") makes every
+    fake NVML call on the node burn the CPU the real call took (README "NVML samples and
+    cost"). Re-creating a node
     that is up resets its ledger and empties its kernel log (`kmsg_path`): processes of
     the old node keep their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)
@@ -327,6 +350,11 @@ def up(
     timeslice_us = round(timeslice_ms * 1000)
     if not 100 <= timeslice_us <= 1_000_000:
         raise SimError(f"time slice of {timeslice_ms} ms is out of range", fix="pass 0.1 to 1000 ms")
+    sample_period_ns = round(sample_period_ms * 1e6)
+    if not 10_000_000 <= sample_period_ns <= 1_000_000_000:
+        raise SimError(f"sample period of {sample_period_ms} ms is out of range", fix="pass 10 to 1000 ms")
+    if nvml_cost not in NVML_COST_MODELS:
+        raise SimError(f"unknown NVML cost model {nvml_cost!r}", fix=f"use one of {', '.join(NVML_COST_MODELS)}")
     libs = build_sim_libraries()
     state = state_path or state_path_for(name)
     sim_root = root or root_for(name)
@@ -365,6 +393,9 @@ def up(
             f"cannot create the sim state file {state}: {os.strerror(-rc)}",
             fix="check that /dev/shm is writable",
         )
+    rc = _helper(libs).gpuwatchsim_configure(str(state).encode(), sample_period_ns, NVML_COST_MODELS[nvml_cost])
+    if rc < 0:
+        raise SimError(f"cannot configure the sim state file {state}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
     node = SimNode(
         name=name,
         state_path=state,
@@ -374,6 +405,8 @@ def up(
         topology=topology,
         mps=mps,
         timeslice_ms=timeslice_us / 1000,
+        sample_period_ms=sample_period_ns / 1e6,
+        nvml_cost=nvml_cost,
     )
     info = {
         "name": name,
@@ -389,6 +422,8 @@ def up(
         "topology": topology,
         "mps": mps,
         "timeslice_ms": timeslice_us / 1000,
+        "sample_period_ms": sample_period_ns / 1e6,
+        "nvml_cost": nvml_cost,
         "kmsg": str(node.kmsg_path),
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -415,6 +450,10 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
     info = _EngineInfo()
     rc = _helper(libs).gpuwatchsim_engine(str(state).encode(), 0, ctypes.byref(info))
     mps, timeslice_ms = (info.lanes, info.timeslice_us / 1000) if rc == 0 else (1, DEFAULT_TIMESLICE_MS)
+    period_ns, cost = ctypes.c_ulonglong(0), ctypes.c_uint(0)
+    rc = _helper(libs).gpuwatchsim_settings(str(state).encode(), ctypes.byref(period_ns), ctypes.byref(cost))
+    sample_period_ms = period_ns.value / 1e6 if rc == 0 else DEFAULT_SAMPLE_PERIOD_MS
+    nvml_cost = next((k for k, v in NVML_COST_MODELS.items() if v == cost.value), "off")
     return SimNode(
         name=name,
         state_path=state,
@@ -424,7 +463,24 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
         topology=topology,
         mps=mps,
         timeslice_ms=timeslice_ms,
+        sample_period_ms=sample_period_ms,
+        nvml_cost=nvml_cost,
     )
+
+
+def set_nvml_replay(node: SimNode, compiled: Path | None, origin_s: float = 0.0) -> None:
+    """Make the node's fake NVML answer the per-process calls from a compiled recording
+    (gpuwatch/sim/nvml_replay.py `compile_recording`), its start shifted to `origin_s`
+    (time.time()); `compiled=None` stops a replay. Every process's fake NVML follows at its
+    next call (csrc/nvml.c "replay")."""
+    path = str(compiled.resolve()) if compiled is not None else ""
+    if len(path.encode()) >= 256:
+        raise SimError(f"replay path {path} is too long", fix="use a path of at most 255 bytes")
+    rc = _helper(node.libraries).gpuwatchsim_replay(
+        str(node.state_path).encode(), path.encode(), round(origin_s * 1e6) if compiled is not None else 0
+    )
+    if rc < 0:
+        raise SimError(f"cannot set the NVML replay on {node.state_path}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
 
 
 def down(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> bool:

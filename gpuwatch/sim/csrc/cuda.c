@@ -2024,6 +2024,7 @@ static void credit_busy(struct sim_proc *p, int phys, uint64_t busy_ns, uint64_t
     } while (!__atomic_compare_exchange_n(b, &old, nw, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     __atomic_fetch_add(&p->busy_ns_total[phys], busy_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&p->last_busy_epoch, (uint32_t)epoch, __ATOMIC_RELAXED);
+    sim_credit_sample(p, phys, add_us, now_ns, sim_sample_period_ns(g_sim.hdr)); /* NVML's sample ring */
 }
 
 static volatile uint64_t g_sink;
@@ -2319,6 +2320,7 @@ static CUresult run_kernel(uint64_t duration_us)
         goto out;
     }
     uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
+    uint64_t period_ns = sim_sample_period_ns(g_sim.hdr), period = sim_realtime_ns() / period_ns;
     while (done < target) {
         uint64_t x = g_sink;
         for (int i = 0; i < 20000; i++)
@@ -2349,11 +2351,13 @@ static CUresult run_kernel(uint64_t duration_us)
         done += d;
         pending += d;
         slice += d;
-        /* flush at bucket boundaries and at least every ~2 ms of work */
-        if (now / SIM_BUCKET_NS != bucket || pending >= 2000000ULL || done >= target) {
+        /* flush at bucket and NVML sample-period boundaries and at least every ~2 ms of work */
+        if (now / SIM_BUCKET_NS != bucket || now / period_ns != period || pending >= 2000000ULL ||
+            done >= target) {
             credit_busy(p, phys, pending, now);
             pending = 0;
             bucket = now / SIM_BUCKET_NS;
+            period = now / period_ns;
         }
         if (slice >= timeslice && done < target) {
             slice = 0;

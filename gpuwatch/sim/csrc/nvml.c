@@ -179,6 +179,64 @@ static int check_dev(nvmlDevice_t d)
     return i;
 }
 
+/* ---- cost model ----
+ *
+ * `gpuwatch sim up --nvml-cost h100-580` (header.nvml_cost): every NVML call burns, as busy
+ * CPU in the calling thread, what the call cost on an H100 with driver 580 (nvml_bench, 200
+ * calls each, 4 processes on the GPU: ../shared/real-gpu/README.md section 3; CPU time =
+ * wall time there, the driver's ioctls are CPU-bound). Measured: ProcessUtilization 1,806 us,
+ * ComputeRunningProcesses 83 us, MemoryInfo v2 7.7 us, RemappedRows / TotalEccErrors 1.8 us,
+ * Temperature / PowerUsage / UtilizationRates 1.1-1.3 us. Assumed (not measured): the v1/v2
+ * variants and ProcessesUtilizationInfo cost what the measured call does, the graphics and
+ * MPS process lists what the compute list does (the same RM query), everything else 1 us.
+ * Init, shutdown and nvmlErrorString cost nothing extra. The burn counts the call's own work
+ * (the cost is a floor on the call's thread CPU time, not added on top). Default off. */
+#define COST_PROCESS_UTILIZATION_NS 1806000u
+#define COST_RUNNING_PROCESSES_NS 83000u
+#define COST_MEMORY_INFO_NS 7700u
+#define COST_ECC_NS 1800u
+#define COST_SCALAR_NS 1200u
+#define COST_OTHER_NS 1000u
+
+struct cost_guard {
+    uint64_t start_ns;
+    uint32_t cost_ns; /* 0: no cost model */
+};
+
+static uint64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static inline struct cost_guard cost_begin(uint32_t cost_ns)
+{
+    struct cost_guard g = {0, 0};
+    if (g_mapped && __atomic_load_n(&g_sim.hdr->nvml_cost, __ATOMIC_RELAXED) == SIM_NVML_COST_H100_580) {
+        g.cost_ns = cost_ns;
+        g.start_ns = thread_cpu_ns();
+    }
+    return g;
+}
+
+static volatile uint64_t g_cost_sink;
+
+/* runs when the call returns (cleanup attribute): spin until the call has used its cost */
+static void cost_end(struct cost_guard *g)
+{
+    if (!g->cost_ns)
+        return;
+    uint64_t until = g->start_ns + g->cost_ns;
+    uint64_t x = g_cost_sink;
+    while (thread_cpu_ns() < until)
+        for (int k = 0; k < 64; k++)
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    g_cost_sink = x;
+}
+
+#define NVML_COST(ns) __attribute__((cleanup(cost_end))) struct cost_guard nvml_cost_guard_ = cost_begin(ns)
+
 #define DEV_OR_RETURN(var, handle)      \
     int var = check_dev(handle);        \
     if (var < 0)                        \
@@ -280,6 +338,7 @@ API const char *nvmlErrorString(nvmlReturn_t r)
 
 API nvmlReturn_t nvmlSystemGetDriverVersion(char *v, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     return put_str(v, len, g_sim.hdr->driver_version);
@@ -287,6 +346,7 @@ API nvmlReturn_t nvmlSystemGetDriverVersion(char *v, unsigned int len)
 
 API nvmlReturn_t nvmlSystemGetNVMLVersion(char *v, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     char buf[64];
@@ -296,6 +356,7 @@ API nvmlReturn_t nvmlSystemGetNVMLVersion(char *v, unsigned int len)
 
 API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!v)
@@ -304,10 +365,11 @@ API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
     return NVML_SUCCESS;
 }
 
-API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCudaDriverVersion(v); }
+API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { NVML_COST(COST_OTHER_NS); return nvmlSystemGetCudaDriverVersion(v); }
 
 API nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!name || len == 0)
@@ -330,6 +392,7 @@ API nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned
 
 API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!count)
@@ -338,10 +401,11 @@ API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
     return NVML_SUCCESS;
 }
 
-API nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+API nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { NVML_COST(COST_OTHER_NS); return nvmlDeviceGetCount_v2(count); }
 
 API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!dev || index >= g_sim.hdr->device_count)
@@ -354,11 +418,13 @@ API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t 
 
 API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetHandleByIndex_v2(index, dev);
 }
 
 API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!uuid || !dev)
@@ -374,6 +440,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *dev)
 
 API nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!serial || !dev)
@@ -398,6 +465,7 @@ static int bus_of(const char *id)
 
 API nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *id, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!id || !dev)
@@ -414,6 +482,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *id, nvmlDevice_t *
 
 API nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *id, nvmlDevice_t *dev)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetHandleByPciBusId_v2(id, dev);
 }
 
@@ -421,6 +490,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *id, nvmlDevice_t *dev
 
 API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!index)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -430,24 +500,28 @@ API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
 
 API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     return put_str(name, len, g_sim.hdr->devices[i].name);
 }
 
 API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     return put_str(uuid, len, g_sim.hdr->devices[i].uuid);
 }
 
 API nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t d, char *serial, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     return put_str(serial, len, g_sim.hdr->devices[i].serial);
 }
 
 API nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t d, char *v, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     return put_str(v, len, "96.00.99.00.01-sim");
@@ -455,6 +529,7 @@ API nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t d, char *v, unsigned int
 
 API nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t d, char *v, unsigned int len)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     return put_str(v, len, "gpuwatch-sim");
@@ -462,6 +537,7 @@ API nvmlReturn_t nvmlDeviceGetBoardPartNumber(nvmlDevice_t d, char *v, unsigned 
 
 API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!minor)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -471,6 +547,7 @@ API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor)
 
 API nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t d, unsigned int *brand)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!brand)
@@ -481,6 +558,7 @@ API nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t d, unsigned int *brand)
 
 API nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t d, unsigned int *arch)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!arch)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -490,6 +568,7 @@ API nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t d, unsigned int *arch)
 
 API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int *minor)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!major || !minor)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -510,6 +589,7 @@ static void fill_pci(int i, unsigned int *domain, unsigned int *bus, unsigned in
 
 API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!pci)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -523,6 +603,7 @@ API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci)
 
 API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t d, nvmlPciInfo_v2_t *pci)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!pci)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -534,11 +615,13 @@ API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t d, nvmlPciInfo_v2_t *pci)
 
 API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t d, nvmlPciInfo_v2_t *pci)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetPciInfo_v2(d, pci);
 }
 
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t d, unsigned int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!v)
@@ -549,11 +632,13 @@ API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t d, unsigned in
 
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t d, unsigned int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetCurrPcieLinkGeneration(d, v);
 }
 
 API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!v)
@@ -564,11 +649,13 @@ API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
 
 API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetCurrPcieLinkWidth(d, v);
 }
 
 API nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t d, unsigned int counter, unsigned int *v)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)counter;
@@ -674,6 +761,7 @@ static uint64_t used_bytes(int i)
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
 {
+    NVML_COST(COST_MEMORY_INFO_NS);
     DEV_OR_RETURN(i, d);
     if (!m)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -686,6 +774,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 {
+    NVML_COST(COST_MEMORY_INFO_NS);
     DEV_OR_RETURN(i, d);
     if (!m)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -701,6 +790,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 
 API nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *m)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!m)
@@ -709,6 +799,284 @@ API nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *m
     m->bar1Used = 2ULL << 20;
     m->bar1Free = m->bar1Total - m->bar1Used;
     return NVML_SUCCESS;
+}
+
+/* ---- process samples ----
+ *
+ * What the real driver does (open-gpu-kernel-modules: NV2080_CTRL_PERF_GPUMON_PERFMON_UTIL_SAMPLE,
+ * src/nvidia/src/kernel/diagnostics/gpu_acct.c): RM keeps a ring of 72 samples per GPU, one per
+ * sample period; each has one timestamp, the engine's busy percentage over that period and
+ * the pid that was active on the engine when it was taken. nvmlDeviceGetProcessUtilization
+ * returns the samples newer than lastSeenTimeStamp (NOT_FOUND when none is), so a process
+ * gets a sample only for periods in which it ran.
+ *
+ * The fake keeps the same ring per (process, device) -- busy microseconds per period, filled
+ * by the stub's kernel launches (simstate.h "Sample ring") -- and answers with one sample per
+ * (period, process that ran in it): timestamp = the period's end (CLOCK_REALTIME us),
+ * smUtil = that process's busy share of the period (integer percent, as NVML's), memUtil =
+ * smUtil / 2. A period in which several processes ran gives each of them a sample with the
+ * same timestamp (they overlap); on a time-sliced GPU their shares add up to at most 100
+ * (the engine runs one context at a time), in the MPS-like mode to at most 100 x lanes. An
+ * idle period gives no sample. The real driver names one process per sample (the one active
+ * when it was taken) with the whole engine's busy share; the fake splits the period by who
+ * ran, which is what the samples of several periods average to and what the H100 recording
+ * showed as overlapping samples (../shared/real-gpu/README.md section 2). A period is
+ * published SIM_SAMPLE_PUBLISH_GUARD_NS after it ends. Samples of processes that have exited
+ * are not returned (the fake learns a host pid from the liveness lock, gone at exit; the real
+ * ring keeps them until overwritten). Per call: one pass over the process slots, at most
+ * SIM_SAMPLE_RING periods each. */
+
+struct util_sample {
+    unsigned pid;
+    unsigned sm;
+    unsigned long long ts_us;
+};
+
+static struct util_sample *g_samples; /* guarded by g_scratch_lock; grows as needed */
+static size_t g_samples_cap;
+
+static int push_sample(size_t n, unsigned pid, unsigned long long ts_us, unsigned sm)
+{
+    if (n >= g_samples_cap) {
+        size_t cap = g_samples_cap ? g_samples_cap * 2 : 1024;
+        struct util_sample *grown = realloc(g_samples, cap * sizeof(*grown));
+        if (!grown)
+            return -1;
+        g_samples = grown;
+        g_samples_cap = cap;
+    }
+    g_samples[n].pid = pid;
+    g_samples[n].ts_us = ts_us;
+    g_samples[n].sm = sm;
+    return 0;
+}
+
+/* end of period k, in microseconds (the sample's timestamp) */
+static unsigned long long period_end_us(uint64_t k, uint64_t period_ns)
+{
+    return (unsigned long long)(((k + 1) * period_ns) / 1000ULL);
+}
+
+static unsigned sim_samples(int i, unsigned long long last_seen_us, uint64_t now_ns, size_t *count)
+{
+    uint64_t period_ns = sim_sample_period_ns(g_sim.hdr);
+    *count = 0;
+    if (now_ns < period_ns + SIM_SAMPLE_PUBLISH_GUARD_NS)
+        return 0;
+    uint64_t k_last = (now_ns - SIM_SAMPLE_PUBLISH_GUARD_NS) / period_ns; /* first unpublished */
+    if (k_last == 0)
+        return 0;
+    k_last--;
+    uint64_t k_first = k_last >= SIM_SAMPLE_RING - 1 ? k_last - (SIM_SAMPLE_RING - 1) : 0;
+    if (last_seen_us) {
+        uint64_t k = ((uint64_t)last_seen_us * 1000ULL) / period_ns; /* end(k) > last_seen */
+        while (k > 0 && period_end_us(k - 1, period_ns) > last_seen_us)
+            k--;
+        while (period_end_us(k, period_ns) <= last_seen_us)
+            k++;
+        if (k > k_first)
+            k_first = k;
+    }
+    if (k_first > k_last)
+        return 0;
+    double period_us = (double)period_ns / 1000.0;
+    size_t n = 0;
+    sim_lock(&g_sim, 0);
+    live_cached(&g_live);
+    for (uint32_t s = 0; s < g_live.count; s++) {
+        struct sim_proc *p = &g_sim.hdr->procs[s];
+        if (!p->in_use || g_live.pid[s] < 0)
+            continue;
+        if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
+            continue;
+        for (uint64_t k = k_first; k <= k_last; k++) {
+            uint32_t busy = sim_sample_busy_us(p, i, k);
+            if (!busy)
+                continue;
+            double pct = (double)busy * 100.0 / period_us + 0.5;
+            unsigned sm = pct >= 100.0 ? 100u : (unsigned)pct;
+            if (push_sample(n, (unsigned)g_live.pid[s], period_end_us(k, period_ns), sm) < 0)
+                break;
+            n++;
+        }
+    }
+    sim_unlock(&g_sim);
+    *count = n;
+    return 0;
+}
+
+/* ---- replay: the per-process calls answered from a recorded NVML stream ----
+ *
+ * `gpuwatch sim replay-nvml FILE` compiles a recording (gpuwatch/sim/nvml_replay.py,
+ * RECORDING.md) into a flat little-endian file and names it in the state header with an
+ * origin time. From then on, for the recorded devices, nvmlDeviceGetProcessUtilization /
+ * ...ProcessesUtilizationInfo, nvmlDeviceGetComputeRunningProcesses* and
+ * nvmlDeviceGetUtilizationRates answer what the recorded GPU answered, time-shifted so the
+ * recording's start is the origin: a sample is visible once its shifted timestamp has
+ * passed, a process list or utilisation is the latest recorded at or before now. Before the
+ * first record and after the last a device answers as an idle GPU. Graphics/MPS lists are
+ * empty; memory, temperature, power and the rest stay the simulated node's. */
+
+#define REPLAY_MAGIC "GWNVRP01"
+struct rp_header {
+    char magic[8];
+    uint32_t version, device_count;
+    uint64_t duration_us;
+    uint32_t n_samples, n_proc_snaps, n_proc_entries, n_util_snaps;
+};
+struct rp_sample {
+    uint64_t ts_rel_us;
+    uint32_t device, pid, sm, mem;
+};
+struct rp_proc_snap {
+    uint64_t wall_rel_us;
+    uint32_t device, count, first, pad;
+};
+struct rp_proc_entry {
+    uint64_t used_bytes;
+    uint32_t pid, pad;
+};
+struct rp_util_snap {
+    uint64_t wall_rel_us;
+    uint32_t device, gpu, memory, pad;
+};
+_Static_assert(sizeof(struct rp_header) == 40, "replay header 40 bytes");
+_Static_assert(sizeof(struct rp_sample) == 24, "replay sample 24 bytes");
+_Static_assert(sizeof(struct rp_proc_snap) == 24, "replay process list 24 bytes");
+_Static_assert(sizeof(struct rp_proc_entry) == 16, "replay process 16 bytes");
+_Static_assert(sizeof(struct rp_util_snap) == 24, "replay utilisation 24 bytes");
+
+struct replay {
+    char path[SIM_PATH_LEN];
+    uint64_t origin_us;
+    void *map;
+    size_t len;
+    const struct rp_header *h;
+    const struct rp_sample *samples;
+    const struct rp_proc_snap *snaps;
+    const struct rp_proc_entry *entries;
+    const struct rp_util_snap *utils;
+};
+static struct replay g_replay;
+static pthread_mutex_t g_replay_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* the replay in force (NULL: none), (re)mapped when the header names another file.
+ * The mapping of a replaced file is kept (a concurrent caller may still read it). */
+static const struct replay *replay_current(void)
+{
+    const char *path = g_sim.hdr->replay_path;
+    if (!path[0])
+        return NULL;
+    uint64_t origin = __atomic_load_n(&g_sim.hdr->replay_origin_us, __ATOMIC_ACQUIRE);
+    pthread_mutex_lock(&g_replay_mu);
+    if (g_replay.map && g_replay.origin_us == origin && strncmp(g_replay.path, path, SIM_PATH_LEN) == 0) {
+        pthread_mutex_unlock(&g_replay_mu);
+        return &g_replay;
+    }
+    memset(&g_replay, 0, sizeof(g_replay));
+    snprintf(g_replay.path, sizeof(g_replay.path), "%.*s", SIM_PATH_LEN - 1, path);
+    g_replay.origin_us = origin;
+    int fd = open(g_replay.path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0 || (size_t)st.st_size < sizeof(struct rp_header)) {
+        if (fd >= 0)
+            close(fd);
+        pthread_mutex_unlock(&g_replay_mu);
+        return NULL;
+    }
+    void *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd); /* not the state file: closing it drops no liveness lock */
+    if (m == MAP_FAILED) {
+        pthread_mutex_unlock(&g_replay_mu);
+        return NULL;
+    }
+    const struct rp_header *h = m;
+    size_t need = sizeof(*h) + (size_t)h->n_samples * sizeof(struct rp_sample) +
+                  (size_t)h->n_proc_snaps * sizeof(struct rp_proc_snap) +
+                  (size_t)h->n_proc_entries * sizeof(struct rp_proc_entry) +
+                  (size_t)h->n_util_snaps * sizeof(struct rp_util_snap);
+    if (memcmp(h->magic, REPLAY_MAGIC, 8) != 0 || h->version != 1 || need > (size_t)st.st_size) {
+        munmap(m, (size_t)st.st_size);
+        pthread_mutex_unlock(&g_replay_mu);
+        return NULL;
+    }
+    g_replay.map = m;
+    g_replay.len = (size_t)st.st_size;
+    g_replay.h = h;
+    g_replay.samples = (const struct rp_sample *)(h + 1);
+    g_replay.snaps = (const struct rp_proc_snap *)(g_replay.samples + h->n_samples);
+    g_replay.entries = (const struct rp_proc_entry *)(g_replay.snaps + h->n_proc_snaps);
+    g_replay.utils = (const struct rp_util_snap *)(g_replay.entries + h->n_proc_entries);
+    pthread_mutex_unlock(&g_replay_mu);
+    return &g_replay;
+}
+
+/* now relative to the replay's origin (us); -1 before the origin or after the recording */
+static int64_t replay_now_rel(const struct replay *r)
+{
+    uint64_t now_us = sim_realtime_ns() / 1000ULL;
+    if (now_us < r->origin_us || now_us - r->origin_us > r->h->duration_us)
+        return -1;
+    return (int64_t)(now_us - r->origin_us);
+}
+
+static void replay_samples(const struct replay *r, int i, unsigned long long last_seen_us, size_t *count)
+{
+    *count = 0;
+    uint64_t now_us = sim_realtime_ns() / 1000ULL;
+    if (now_us < r->origin_us)
+        return;
+    uint64_t now_rel = now_us - r->origin_us;
+    uint64_t seen_rel = last_seen_us > r->origin_us ? last_seen_us - r->origin_us : 0;
+    size_t n = 0;
+    for (uint32_t k = 0; k < r->h->n_samples; k++) { /* sorted by (device, time) */
+        const struct rp_sample *s = &r->samples[k];
+        if (s->device != (uint32_t)i)
+            continue;
+        if (s->ts_rel_us > now_rel)
+            break;
+        if (last_seen_us && s->ts_rel_us <= seen_rel)
+            continue;
+        if (push_sample(n, s->pid, r->origin_us + s->ts_rel_us, s->sm) < 0)
+            break;
+        n++;
+    }
+    *count = n;
+}
+
+/* the latest recorded process list of device i at or before now (NULL: none) */
+static const struct rp_proc_snap *replay_procs(const struct replay *r, int i)
+{
+    int64_t now_rel = replay_now_rel(r);
+    if (now_rel < 0)
+        return NULL;
+    const struct rp_proc_snap *found = NULL;
+    for (uint32_t k = 0; k < r->h->n_proc_snaps; k++) {
+        const struct rp_proc_snap *s = &r->snaps[k];
+        if (s->device == (uint32_t)i && s->wall_rel_us <= (uint64_t)now_rel)
+            found = s;
+        else if (s->device > (uint32_t)i || (s->device == (uint32_t)i && s->wall_rel_us > (uint64_t)now_rel))
+            break;
+    }
+    return found;
+}
+
+static int replay_util(const struct replay *r, int i, nvmlUtilization_t *u)
+{
+    int64_t now_rel = replay_now_rel(r);
+    u->gpu = u->memory = 0;
+    if (now_rel < 0)
+        return 0;
+    for (uint32_t k = 0; k < r->h->n_util_snaps; k++) {
+        const struct rp_util_snap *s = &r->utils[k];
+        if (s->device == (uint32_t)i && s->wall_rel_us <= (uint64_t)now_rel) {
+            u->gpu = s->gpu;
+            u->memory = s->memory;
+        } else if (s->device > (uint32_t)i || (s->device == (uint32_t)i && s->wall_rel_us > (uint64_t)now_rel)) {
+            break;
+        }
+    }
+    return 0;
 }
 
 /* ---- processes ---- */
@@ -754,7 +1122,20 @@ static nvmlReturn_t running_processes(nvmlDevice_t d, unsigned int *count, void 
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     pthread_mutex_lock(&g_scratch_lock);
-    unsigned n = collect_procs(i, g_scratch, SIM_MAX_PROCS);
+    unsigned n;
+    const struct replay *r = replay_current();
+    if (r && (uint32_t)i < r->h->device_count) {
+        const struct rp_proc_snap *snap = replay_procs(r, i);
+        n = 0;
+        for (uint32_t k = 0; snap && k < snap->count && snap->first + k < r->h->n_proc_entries && n < SIM_MAX_PROCS;
+             k++, n++) {
+            g_scratch[n].host_pid = (int)r->entries[snap->first + k].pid;
+            g_scratch[n].slot = -1;
+            g_scratch[n].memory_bytes = r->entries[snap->first + k].used_bytes;
+        }
+    } else {
+        n = collect_procs(i, g_scratch, SIM_MAX_PROCS);
+    }
     nvmlReturn_t rc = NVML_SUCCESS;
     if (*count < n || (n > 0 && !infos)) {
         *count = n;
@@ -781,16 +1162,19 @@ static nvmlReturn_t running_processes(nvmlDevice_t d, unsigned int *count, void 
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     return running_processes(d, c, p, 3);
 }
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     return running_processes(d, c, p, 2);
 }
 
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     return running_processes(d, c, p, 1);
 }
 
@@ -807,24 +1191,28 @@ static nvmlReturn_t no_processes(nvmlDevice_t d, unsigned int *count)
 
 API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     (void)p;
     return no_processes(d, c);
 }
 
 API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     (void)p;
     return no_processes(d, c);
 }
 
 API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     (void)p;
     return no_processes(d, c);
 }
 
 API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
+    NVML_COST(COST_RUNNING_PROCESSES_NS);
     (void)p;
     return no_processes(d, c);
 }
@@ -856,9 +1244,13 @@ static unsigned device_util_pct(int i, uint64_t from_ns, uint64_t to_ns)
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
 {
+    NVML_COST(COST_SCALAR_NS);
     DEV_OR_RETURN(i, d);
     if (!u)
         return NVML_ERROR_INVALID_ARGUMENT;
+    const struct replay *r = replay_current();
+    if (r && (uint32_t)i < r->h->device_count)
+        return replay_util(r, i, u) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
     uint64_t now = sim_realtime_ns();
     unsigned gpu = device_util_pct(i, now - UTIL_WINDOW_NS, now);
     u->gpu = gpu;
@@ -868,6 +1260,7 @@ API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t
 
 API nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t d, unsigned int *util, unsigned int *period_us)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!util || !period_us)
@@ -879,75 +1272,48 @@ API nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t d, unsigned int *u
 
 API nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t d, unsigned int *util, unsigned int *period_us)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetEncoderUtilization(d, util, period_us);
 }
 
-struct util_sample {
-    int pid;
-    unsigned sm;
-};
-
-/* per-process SM utilisation over (last_seen_us, now]; history is 6.4 s */
-static unsigned collect_proc_util(int i, unsigned long long last_seen_us, uint64_t now_ns,
-                                  struct util_sample *out, unsigned cap)
+/* samples of device i newer than last_seen_us into g_samples (g_scratch_lock held) */
+static size_t collect_samples(int i, unsigned long long last_seen_us)
 {
-    uint64_t oldest = now_ns - (uint64_t)(SIM_BUCKETS - 1) * SIM_BUCKET_NS;
-    uint64_t from = last_seen_us ? (uint64_t)last_seen_us * 1000ULL : now_ns - UTIL_WINDOW_NS;
-    if (from < oldest)
-        from = oldest;
-    if (from >= now_ns)
-        return 0;
-    uint64_t window_us = (now_ns - from) / 1000;
-    unsigned n = 0;
-    sim_lock(&g_sim, 0);
-    live_cached(&g_live);
-    for (uint32_t s = 0; s < g_live.count && n < cap; s++) {
-        struct sim_proc *p = &g_sim.hdr->procs[s];
-        if (!p->in_use)
-            continue;
-        if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
-            continue;
-        int pid = g_live.pid[s];
-        if (pid < 0)
-            continue;
-        uint64_t busy = sim_slot_busy_us(p, i, from, now_ns);
-        uint64_t pct = window_us ? (busy * 100 + window_us / 2) / window_us : 0;
-        out[n].pid = pid;
-        out[n].sm = pct > 100 ? 100 : (unsigned)pct;
-        n++;
-    }
-    sim_unlock(&g_sim);
+    size_t n = 0;
+    const struct replay *r = replay_current();
+    if (r && (uint32_t)i < r->h->device_count)
+        replay_samples(r, i, last_seen_us, &n);
+    else
+        sim_samples(i, last_seen_us, sim_realtime_ns(), &n);
     return n;
 }
-
-static struct util_sample g_util_scratch[SIM_MAX_PROCS];
 
 API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *samples,
                                                  unsigned int *count, unsigned long long last_seen_us)
 {
+    NVML_COST(COST_PROCESS_UTILIZATION_NS);
     DEV_OR_RETURN(i, d);
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    uint64_t now = sim_realtime_ns();
     pthread_mutex_lock(&g_scratch_lock);
-    unsigned n = collect_proc_util(i, last_seen_us, now, g_util_scratch, SIM_MAX_PROCS);
+    size_t n = collect_samples(i, last_seen_us);
     nvmlReturn_t rc = NVML_SUCCESS;
     if (n == 0) {
         *count = 0;
         rc = NVML_ERROR_NOT_FOUND; /* what the real driver says when no samples are newer */
     } else if (!samples || *count < n) {
-        *count = n;
+        *count = (unsigned)n;
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
-        for (unsigned k = 0; k < n; k++) {
-            samples[k].pid = (unsigned)g_util_scratch[k].pid;
-            samples[k].timeStamp = now / 1000ULL;
-            samples[k].smUtil = g_util_scratch[k].sm;
-            samples[k].memUtil = g_util_scratch[k].sm / 2;
+        for (size_t k = 0; k < n; k++) {
+            samples[k].pid = g_samples[k].pid;
+            samples[k].timeStamp = g_samples[k].ts_us;
+            samples[k].smUtil = g_samples[k].sm;
+            samples[k].memUtil = g_samples[k].sm / 2;
             samples[k].encUtil = 0;
             samples[k].decUtil = 0;
         }
-        *count = n;
+        *count = (unsigned)n;
     }
     pthread_mutex_unlock(&g_scratch_lock);
     return rc;
@@ -955,32 +1321,35 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
 
 API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t d, nvmlProcessesUtilizationInfo_t *info)
 {
+    NVML_COST(COST_PROCESS_UTILIZATION_NS);
     DEV_OR_RETURN(i, d);
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlProcessesUtilizationInfo_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    uint64_t now = sim_realtime_ns();
     pthread_mutex_lock(&g_scratch_lock);
-    unsigned n = collect_proc_util(i, info->lastSeenTimeStamp, now, g_util_scratch, SIM_MAX_PROCS);
+    size_t n = collect_samples(i, info->lastSeenTimeStamp);
     nvmlReturn_t rc = NVML_SUCCESS;
     if (n == 0) {
         info->processSamplesCount = 0;
         rc = NVML_ERROR_NOT_FOUND;
     } else if (!info->procUtilArray || info->processSamplesCount < n) {
-        info->processSamplesCount = n;
+        info->processSamplesCount = (unsigned)n;
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
-        for (unsigned k = 0; k < n; k++) {
+        unsigned long long newest = 0;
+        for (size_t k = 0; k < n; k++) {
             nvmlProcessUtilizationInfo_v1_t *s = &info->procUtilArray[k];
             memset(s, 0, sizeof(*s));
-            s->timeStamp = now / 1000ULL;
-            s->pid = (unsigned)g_util_scratch[k].pid;
-            s->smUtil = g_util_scratch[k].sm;
-            s->memUtil = g_util_scratch[k].sm / 2;
+            s->timeStamp = g_samples[k].ts_us;
+            s->pid = g_samples[k].pid;
+            s->smUtil = g_samples[k].sm;
+            s->memUtil = g_samples[k].sm / 2;
+            if (s->timeStamp > newest)
+                newest = s->timeStamp;
         }
-        info->processSamplesCount = n;
-        info->lastSeenTimeStamp = now / 1000ULL;
+        info->processSamplesCount = (unsigned)n;
+        info->lastSeenTimeStamp = newest;
     }
     pthread_mutex_unlock(&g_scratch_lock);
     return rc;
@@ -996,6 +1365,7 @@ static unsigned current_util(int i)
 
 API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t d, unsigned int sensor, unsigned int *temp)
 {
+    NVML_COST(COST_SCALAR_NS);
     DEV_OR_RETURN(i, d);
     if (!temp || sensor != 0 /* NVML_TEMPERATURE_GPU */)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1005,6 +1375,7 @@ API nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t d, unsigned int sensor, u
 
 API nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t d, unsigned int type, unsigned int *temp)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!temp)
@@ -1018,6 +1389,7 @@ API nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t d, unsigned int 
 
 API nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t d, unsigned int *speed)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)speed;
@@ -1026,6 +1398,7 @@ API nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t d, unsigned int *speed)
 
 API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *mw)
 {
+    NVML_COST(COST_SCALAR_NS);
     DEV_OR_RETURN(i, d);
     if (!mw)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1037,6 +1410,7 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *mw)
 
 API nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t d, unsigned int *mw)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!mw)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1046,17 +1420,20 @@ API nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t d, unsigned int 
 
 API nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t d, unsigned int *mw)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetPowerManagementLimit(d, mw);
 }
 
 API nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t d, unsigned int *mw)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetPowerManagementLimit(d, mw);
 }
 
 API nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t d, unsigned int *min_mw,
                                                               unsigned int *max_mw)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!min_mw || !max_mw)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1067,6 +1444,7 @@ API nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t d, un
 
 API nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t d, unsigned long long *mj)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!mj)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1078,6 +1456,7 @@ API nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t d, unsigned lo
 
 API nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t d, unsigned int *pstate)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!pstate)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1087,12 +1466,14 @@ API nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t d, unsigned int *pst
 
 API nvmlReturn_t nvmlDeviceGetPowerState(nvmlDevice_t d, unsigned int *pstate)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetPerformanceState(d, pstate);
 }
 
 /* clock types: 0 graphics, 1 SM, 2 memory, 3 video */
 API nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t d, unsigned int type, unsigned int *mhz)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!mhz || type > 3)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1102,6 +1483,7 @@ API nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t d, unsigned int type, un
 
 API nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t d, unsigned int type, unsigned int *mhz)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     if (!mhz || type > 3)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1115,6 +1497,7 @@ API nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t d, unsigned int type, unsig
 
 API nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t d, unsigned int *mode)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!mode)
@@ -1125,6 +1508,7 @@ API nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t d, unsigned int *mode)
 
 API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t d, unsigned int *mode)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!mode)
@@ -1135,6 +1519,7 @@ API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t d, unsigned int *mode
 
 API nvmlReturn_t nvmlDeviceGetDisplayMode(nvmlDevice_t d, unsigned int *mode)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!mode)
@@ -1145,11 +1530,13 @@ API nvmlReturn_t nvmlDeviceGetDisplayMode(nvmlDevice_t d, unsigned int *mode)
 
 API nvmlReturn_t nvmlDeviceGetDisplayActive(nvmlDevice_t d, unsigned int *mode)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetDisplayMode(d, mode);
 }
 
 API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)current;
@@ -1159,6 +1546,7 @@ API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, uns
 
 API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t d, unsigned int *is_mig)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!is_mig)
@@ -1170,6 +1558,7 @@ API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t d, unsigned int *is_mi
 /* driver models (WDDM/TCC) are Windows-only: real Linux drivers answer NOT_SUPPORTED */
 API nvmlReturn_t nvmlDeviceGetCurrentDriverModel(nvmlDevice_t d, unsigned int *model)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)model;
@@ -1178,6 +1567,7 @@ API nvmlReturn_t nvmlDeviceGetCurrentDriverModel(nvmlDevice_t d, unsigned int *m
 
 API nvmlReturn_t nvmlDeviceGetDriverModel(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     (void)current;
@@ -1187,6 +1577,7 @@ API nvmlReturn_t nvmlDeviceGetDriverModel(nvmlDevice_t d, unsigned int *current,
 
 API nvmlReturn_t nvmlDeviceGetDriverModel_v2(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
 {
+    NVML_COST(COST_OTHER_NS);
     return nvmlDeviceGetDriverModel(d, current, pending);
 }
 
@@ -1209,6 +1600,7 @@ _Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
  * for absent features. */
 API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (count < 0 || (count > 0 && !values))
@@ -1256,6 +1648,7 @@ API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldVa
 
 API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, unsigned int *level)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, a);
     DEV_OR_RETURN(j, b);
     if (!level)
@@ -1317,6 +1710,7 @@ static int check_link(nvmlDevice_t d, unsigned link, const void *out)
 
 API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, unsigned int *is_active)
 {
+    NVML_COST(COST_OTHER_NS);
     LINK_OR_RETURN(i, d, link, is_active);
     unsigned peer;
     *is_active = link_remote(i, link, &peer) ? 1u /* NVML_FEATURE_ENABLED */ : 0u;
@@ -1325,6 +1719,7 @@ API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, uns
 
 API nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, unsigned int *version)
 {
+    NVML_COST(COST_OTHER_NS);
     LINK_OR_RETURN(i, d, link, version);
     (void)i;
     *version = NVML_NVLINK_VERSION_4_0;
@@ -1336,6 +1731,7 @@ API nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t d, unsigned int link, u
 API nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t d, unsigned int link, unsigned int capability,
                                                unsigned int *result)
 {
+    NVML_COST(COST_OTHER_NS);
     LINK_OR_RETURN(i, d, link, result);
     (void)i;
     static const unsigned caps[NVML_NVLINK_CAP_COUNT] = {1, 0, 1, 0, 0, 1};
@@ -1347,6 +1743,7 @@ API nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t d, unsigned int link
 
 API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t d, unsigned int link, unsigned int *type)
 {
+    NVML_COST(COST_OTHER_NS);
     LINK_OR_RETURN(i, d, link, type);
     unsigned peer;
     int kind = link_remote(i, link, &peer);
@@ -1379,6 +1776,7 @@ static int remote_pci(nvmlDevice_t d, unsigned link, const void *out, unsigned *
 /* pciSubSystemId is not filled in by the real call either ("indeterminate") */
 API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link, nvmlPciInfo_t *pci)
 {
+    NVML_COST(COST_OTHER_NS);
     unsigned bus = 0, dev_id = 0;
     int rc = remote_pci(d, link, pci, &bus, &dev_id);
     if (rc < 0)
@@ -1394,6 +1792,7 @@ API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned in
 /* the unversioned entry point fills the old (v1/v2) struct layout */
 API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t d, unsigned int link, nvmlPciInfo_v2_t *pci)
 {
+    NVML_COST(COST_OTHER_NS);
     unsigned bus = 0, dev_id = 0;
     int rc = remote_pci(d, link, pci, &bus, &dev_id);
     if (rc < 0)
@@ -1410,6 +1809,7 @@ API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t d, unsigned int l
 API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr_rows, unsigned int *unc_rows,
                                            unsigned int *is_pending, unsigned int *failure_occurred)
 {
+    NVML_COST(COST_ECC_NS);
     DEV_OR_RETURN(i, d);
     if (!corr_rows || !unc_rows || !is_pending || !failure_occurred)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1425,6 +1825,7 @@ API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr_ro
 
 API nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
 {
+    NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
     (void)i;
     if (!current || !pending)
@@ -1437,6 +1838,7 @@ API nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t d, unsigned int *current, uns
 API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, unsigned int error_type, unsigned int counter_type,
                                              unsigned long long *count)
 {
+    NVML_COST(COST_ECC_NS);
     DEV_OR_RETURN(i, d);
     if (!count || error_type > 1 || counter_type > 1)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -1454,6 +1856,7 @@ API nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, unsigned int error_
 
 API nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types)
 {
+    NVML_COST(COST_OTHER_NS);
     int i = dev_index(d);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
@@ -1465,6 +1868,7 @@ API nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long 
 
 API nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!set)
@@ -1479,6 +1883,7 @@ API nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 
 API nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set)
 {
+    NVML_COST(COST_OTHER_NS);
     int i = dev_index(d);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
@@ -1525,6 +1930,7 @@ static nvmlReturn_t wait_event(nvmlEventSet_t set, nvmlDevice_t *dev, unsigned l
 
 API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!data)
         return NVML_ERROR_INVALID_ARGUMENT;
     memset(data, 0, sizeof(*data));
@@ -1535,6 +1941,7 @@ API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, 
 
 API nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeout_ms)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!data)
         return NVML_ERROR_INVALID_ARGUMENT;
     memset(data, 0, sizeof(*data));
@@ -1543,6 +1950,7 @@ API nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, 
 
 API nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 {
+    NVML_COST(COST_OTHER_NS);
     if (!g_init_count)
         return NVML_ERROR_UNINITIALIZED;
     if (!set)
@@ -1591,6 +1999,8 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
     h->rm_alloc_params = rm_alloc_params;
     h->rm_device_handles = rm_device_handles ? 1u : 0u;
     h->topology = topology;
+    h->sample_period_ns = SIM_DEFAULT_SAMPLE_PERIOD_NS;
+    h->nvml_cost = SIM_NVML_COST_OFF;
     /* stable, obviously-fake identities derived from the node name */
     uint32_t seed = 2166136261u;
     for (const char *c = node_name; *c; c++)
@@ -1626,6 +2036,59 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
         unlink(tmp);
         return -e;
     }
+    return 0;
+}
+
+/* Settings of a node that is up (gpuwatch/sim/node.py up): the NVML sample period (ns,
+ * 0: keep) and the cost model (SIM_NVML_COST_*). Returns 0 or -errno. */
+static int helper_open(const char *path, struct sim_handle *h);
+API int gpuwatchsim_configure(const char *path, unsigned long long sample_period_ns, unsigned nvml_cost)
+{
+    if (!path || nvml_cost > SIM_NVML_COST_H100_580 ||
+        (sample_period_ns && (sample_period_ns < SIM_MIN_SAMPLE_PERIOD_NS || sample_period_ns > SIM_MAX_SAMPLE_PERIOD_NS)))
+        return -EINVAL;
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    if (sample_period_ns)
+        __atomic_store_n(&h.hdr->sample_period_ns, (uint64_t)sample_period_ns, __ATOMIC_RELEASE);
+    __atomic_store_n(&h.hdr->nvml_cost, nvml_cost, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* The node's NVML sample period (ns) and cost model. Returns 0 or -errno. */
+API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period_ns, unsigned *nvml_cost)
+{
+    if (!path || !sample_period_ns || !nvml_cost)
+        return -EINVAL;
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    *sample_period_ns = sim_sample_period_ns(h.hdr);
+    *nvml_cost = __atomic_load_n(&h.hdr->nvml_cost, __ATOMIC_ACQUIRE);
+    return 0;
+}
+
+/* Start (replay_path non-empty) or stop (empty) an NVML replay: the compiled recording at
+ * replay_path, its start shifted to origin_us (CLOCK_REALTIME). Returns 0 or -errno. */
+API int gpuwatchsim_replay(const char *path, const char *replay_path, unsigned long long origin_us)
+{
+    if (!path || !replay_path || strlen(replay_path) >= SIM_PATH_LEN)
+        return -EINVAL;
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    flock(h.fd, LOCK_EX);
+    h.hdr->replay_path[0] = 0; /* readers see no replay while the path is rewritten */
+    __atomic_store_n(&h.hdr->replay_origin_us, (uint64_t)origin_us, __ATOMIC_RELEASE);
+    if (replay_path[0]) {
+        memcpy(h.hdr->replay_path + 1, replay_path + 1, strlen(replay_path));
+        __atomic_store_n(&h.hdr->replay_path[0], replay_path[0], __ATOMIC_RELEASE);
+    }
+    flock(h.fd, LOCK_UN);
     return 0;
 }
 

@@ -169,6 +169,25 @@ HIDDEN int sim_slot_owner(struct sim_handle *h, int slot, const struct sim_self 
     return fl.l_pid > 0 ? (int)fl.l_pid : 0;
 }
 
+HIDDEN void sim_credit_sample(struct sim_proc *p, int dev, uint32_t busy_us, uint64_t now_ns, uint64_t period_ns)
+{
+    if (!busy_us || !period_ns)
+        return;
+    uint64_t k = now_ns / period_ns;
+    sim_bucket_t *b = &p->samples[dev][k % SIM_SAMPLE_RING];
+    sim_bucket_t old = __atomic_load_n(b, __ATOMIC_RELAXED), nw;
+    do {
+        uint32_t busy = ((uint32_t)(old >> 32) == (uint32_t)k) ? (uint32_t)old : 0;
+        nw = ((uint64_t)(uint32_t)k << 32) | (uint64_t)(busy + busy_us);
+    } while (!__atomic_compare_exchange_n(b, &old, nw, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+HIDDEN uint32_t sim_sample_busy_us(const struct sim_proc *p, int dev, uint64_t period_index)
+{
+    sim_bucket_t b = __atomic_load_n(&p->samples[dev][period_index % SIM_SAMPLE_RING], __ATOMIC_RELAXED);
+    return (uint32_t)(b >> 32) == (uint32_t)period_index ? (uint32_t)b : 0;
+}
+
 HIDDEN uint64_t sim_slot_busy_us(const struct sim_proc *p, int dev, uint64_t from_ns, uint64_t to_ns)
 {
     if (to_ns <= from_ns)

@@ -60,8 +60,9 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x314d495357505447ULL /* "GTPWSIM1" little-endian */
-#define SIM_LAYOUT_VERSION 4u /* 2: topology, row remapping, kmsg sequence; 3: execution engine;
-                                 4: RM memory ledger (objects, managed, context), device instances */
+#define SIM_LAYOUT_VERSION 5u /* 2: topology, row remapping, kmsg sequence; 3: execution engine;
+                                 4: RM memory ledger (objects, managed, context), device instances;
+                                 5: NVML sample ring, NVML cost model, NVML replay */
 
 #define SIM_MAX_DEVICES 8
 #define SIM_MAX_PROCS 1024
@@ -70,6 +71,24 @@
 #define SIM_BUCKET_NS 100000000ULL /* 100 ms per bucket -> 6.4 s of history */
 #define SIM_NAME_LEN 96
 #define SIM_PATH_LEN 256
+
+/* NVML process-utilisation samples (see "Sample ring" below and nvml.c "process samples").
+ * The real driver keeps a ring of 72 samples per GPU (NV2080_CTRL_PERF_GPUMON_PERFMON_UTIL_SAMPLE,
+ * open-gpu-kernel-modules src/nvidia/src/kernel/diagnostics/gpu_acct.c); NVML documents the
+ * sample period as "between 1 second and 1/6 second depending on the product"
+ * (nvmlDeviceGetProcessUtilization). The sim takes the short end, 1/6 s (12 s of history),
+ * the period of an H100's samples; `sim up --sample-period-ms` picks another. */
+#define SIM_SAMPLE_RING 72
+#define SIM_DEFAULT_SAMPLE_PERIOD_NS 166666667ULL
+#define SIM_MIN_SAMPLE_PERIOD_NS 10000000ULL   /* 10 ms .. */
+#define SIM_MAX_SAMPLE_PERIOD_NS 1000000000ULL /* .. 1 s */
+/* a period's samples are published this long after it ends: a launch that read the clock
+ * just before the end may still be adding its last step to the period */
+#define SIM_SAMPLE_PUBLISH_GUARD_NS 2000000ULL
+
+/* NVML cost model (header.nvml_cost): what each fake NVML call burns in the calling thread */
+#define SIM_NVML_COST_OFF 0u
+#define SIM_NVML_COST_H100_580 1u /* H100, driver 580 (../shared/real-gpu/README.md section 3) */
 
 /* execution engine (see the comment at the top) */
 #define SIM_MAX_LANES 8                    /* MPS-like mode: at most this many contexts at once */
@@ -159,6 +178,12 @@ struct sim_proc {
     uint64_t launches[SIM_MAX_DEVICES];       /* atomic */
     sim_bucket_t buckets[SIM_MAX_DEVICES][SIM_BUCKETS]; /* atomic */
     uint64_t engine_wait_ns_total[SIM_MAX_DEVICES]; /* atomic: launches waiting for the engine */
+    /* Sample ring: busy microseconds per NVML sample period, the last SIM_SAMPLE_RING periods
+     * (the driver's ring). Word = (low 32 bits of the period index realtime_ns / period_ns)
+     * << 32 | busy us credited in that period, like the 100 ms buckets; credited with them
+     * (cuda.c credit_busy, sim_credit_sample). The fake NVML turns each period this process
+     * ran in into one sample of it (nvml.c "process samples"). atomic */
+    sim_bucket_t samples[SIM_MAX_DEVICES][SIM_SAMPLE_RING];
 };
 
 /* One device's execution engine. A lane word is 0 (free) or
@@ -206,6 +231,13 @@ struct sim_header {
     uint32_t topology;            /* SIM_TOPO_* */
     uint32_t pad0;
     uint64_t kmsg_seq;            /* next sequence number of a <root>/kmsg record */
+    uint64_t sample_period_ns;    /* NVML sample period (SIM_DEFAULT_SAMPLE_PERIOD_NS) */
+    uint32_t nvml_cost;           /* SIM_NVML_COST_*: CPU each fake NVML call burns */
+    uint32_t pad1;
+    /* NVML replay (nvml.c "replay"): a compiled recording the per-process calls answer from,
+     * its first call shifted to replay_origin_us (CLOCK_REALTIME); empty path: no replay */
+    uint64_t replay_origin_us;
+    char replay_path[SIM_PATH_LEN];
     struct sim_engine engines[SIM_MAX_DEVICES];
     struct sim_event events[SIM_MAX_EVENTS];
     struct sim_device devices[SIM_MAX_DEVICES];
@@ -285,6 +317,17 @@ void sim_liveness(struct sim_handle *h, const struct sim_self *self, struct sim_
 /* memory of live slots on a device per `live`; reaps dead slots when `reap` (the caller
  * holds the exclusive lock) */
 uint64_t sim_used_bytes_live(struct sim_handle *h, int dev, const struct sim_live *live, int reap);
+
+/* add busy microseconds to the sample period of now_ns in a slot's sample ring (lock-free) */
+void sim_credit_sample(struct sim_proc *p, int dev, uint32_t busy_us, uint64_t now_ns, uint64_t period_ns);
+/* busy microseconds a slot's sample ring holds for period `period_index` (0: none / aged out) */
+uint32_t sim_sample_busy_us(const struct sim_proc *p, int dev, uint64_t period_index);
+/* the node's sample period (the default when the header has none) */
+static inline uint64_t sim_sample_period_ns(const struct sim_header *h)
+{
+    uint64_t p = h->sample_period_ns;
+    return p >= SIM_MIN_SAMPLE_PERIOD_NS && p <= SIM_MAX_SAMPLE_PERIOD_NS ? p : SIM_DEFAULT_SAMPLE_PERIOD_NS;
+}
 
 /* busy microseconds of a slot on a device within [from_ns, to_ns] (realtime) */
 uint64_t sim_slot_busy_us(const struct sim_proc *p, int dev, uint64_t from_ns, uint64_t to_ns);
