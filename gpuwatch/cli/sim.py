@@ -98,6 +98,20 @@ def sim() -> None:
     type=click.FloatRange(0.1, 1000),
     help="Run time after which a kernel yields the GPU to a waiting context.",
 )
+@click.option(
+    "--sample-period-ms",
+    default=1000.0 / 6,
+    show_default="166.7 (1/6 s)",
+    type=click.FloatRange(10, 1000),
+    help="NVML process-utilisation sample period (NVML documents 1/6 s to 1 s); the ring holds 72.",
+)
+@click.option(
+    "--nvml-cost",
+    type=click.Choice(["off", "h100-580"]),
+    default="off",
+    show_default=True,
+    help="CPU each fake NVML call burns in the caller: off, or what the call took on an H100 with driver 580.",
+)
 def up_cmd(
     name: str,
     devices: int,
@@ -108,12 +122,16 @@ def up_cmd(
     topology: str,
     mps: int,
     timeslice_ms: float,
+    sample_period_ms: float,
+    nvml_cost: str,
 ) -> None:
     """Bring a simulated node up (re-creating it resets its ledger and kernel log).
 
     Kernels launched on one simulated GPU contend for it: one context runs at a time and
     co-tenants take turns every --timeslice-ms of run time (waiting is not busy time, so
-    a GPU's utilisation never exceeds 100%); with --mps N up to N contexts run at once."""
+    a GPU's utilisation never exceeds 100%); with --mps N up to N contexts run at once.
+    NVML's per-process samples follow the real driver's: one per --sample-period-ms period a
+    process ran in, a ring of 72; --nvml-cost h100-580 makes every NVML call cost its real CPU."""
     from gpuwatch.sim import node as simnode
 
     n = simnode.up(
@@ -126,10 +144,13 @@ def up_cmd(
         topology=topology,
         mps=mps,
         timeslice_ms=timeslice_ms,
+        sample_period_ms=sample_period_ms,
+        nvml_cost=nvml_cost,
     )
     sharing = f"MPS-like, {mps} contexts at once" if mps > 1 else f"time-sliced every {n.timeslice_ms:g} ms"
     click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each, {topology}, "
                f"{sharing}")
+    click.echo(f"  nvml samples every {n.sample_period_ms:.1f} ms (ring of 72), call cost model: {n.nvml_cost}")
     click.echo(f"  state  {n.state_path}")
     click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
     click.echo(f"  kmsg   {n.kmsg_path}  (Xid kernel-log records)")
@@ -180,6 +201,51 @@ def status_cmd(name: str) -> None:
                 f"{p.kernel_launches} kernels, {p.busy_seconds_total:.1f} s busy, "
                 f"{p.engine_wait_seconds_total:.1f} s waiting for the GPU"
             )
+
+
+@sim.command("replay-nvml")
+@_NODE_OPTION
+@click.argument("recording", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--delay-s", default=0.0, show_default=True, help="Start the replay this many seconds from now.")
+@click.option("--stop", is_flag=True, help="Stop a replay: the node's own processes answer again.")
+def replay_nvml_cmd(name: str, recording: Path | None, delay_s: float, stop: bool) -> None:
+    """Answer NVML's per-process calls from a recording (`gpuwatch sim record-nvml`).
+
+    The recorded GPUs' process samples, process lists and utilisation replace the node's own,
+    time-shifted so the recording starts now (+ --delay-s); see gpuwatch/sim/RECORDING.md."""
+    import time
+
+    from gpuwatch.sim import node as simnode
+    from gpuwatch.sim import nvml_replay
+
+    node = simnode.get_node(name)
+    if stop or recording is None:
+        simnode.set_nvml_replay(node, None)
+        click.echo(f"sim node {name!r}: NVML replay stopped")
+        return
+    compiled = node.root / "nvml-replay.bin"
+    info = nvml_replay.compile_recording(recording, compiled)
+    simnode.set_nvml_replay(node, compiled, time.time() + delay_s)
+    click.echo(f"sim node {name!r}: replaying {recording} ({info.devices} GPUs, {info.samples} samples, "
+               f"{info.duration_s:.1f} s) from {delay_s:g} s from now")
+
+
+@sim.command("record-nvml", context_settings={"ignore_unknown_options": True})
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON-lines file to write.")
+@click.option("--interval-s", default=0.5, show_default=True, type=click.FloatRange(0.05, 6.0),
+              help="Seconds between reads (the driver's ring holds 12 s at 1/6 s).")
+@click.option("--nvml-library", default=None, help="libnvidia-ml.so.1 to load (default: the system's).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def record_nvml_cmd(out: Path, interval_s: float, nvml_library: str | None, command: tuple[str, ...]) -> None:
+    """Record NVML's raw per-process answers while COMMAND runs (GPU hosts; pynvml only).
+
+    Same program as gpuwatch/sim/nvml_record.py (runs on its own with pynvml): every --interval-s, per GPU,
+    nvmlDeviceGetProcessUtilization (all samples newer than the last seen),
+    nvmlDeviceGetComputeRunningProcesses and nvmlDeviceGetUtilizationRates, with wall times."""
+    from gpuwatch.sim import nvml_record
+
+    sys.exit(nvml_record.record(out, list(command), interval_s=interval_s, library=nvml_library))
 
 
 @sim.command("env")
