@@ -350,6 +350,9 @@ class Enforcer:
         rules = {r.name: r for r in policy.rules}
         wanted: dict[int, tuple[int, str]] = {}
         refused: dict[str, ContainerIdentity] = {}
+        # containers whose probe counters were joined per process (probe_join.py: negative ids):
+        # the kernel counts them in a v2 cgroup that is not theirs
+        joined = {ident.key for cg, ident in (snapshot.probe_identities if snapshot else ()) if cg < 0}
         suspended = self.kernel_guard.suspended_keys()
         for key in set(result.measurements) | set(result.effective_limits_bytes):
             if key in suspended:
@@ -363,8 +366,8 @@ class Enforcer:
             if self.safety.unsafe_reason(identity):
                 continue
             rule = rules.get(result.rules_by_target.get(key, ""))
-            if identity.cgroup_id is None:
-                if identity.is_container:
+            if identity.cgroup_id is None or key in joined:
+                if key in joined:
                     refused[key] = identity
                 continue
             wanted[identity.cgroup_id] = (limit, kernel_action(rule, fair))
@@ -384,17 +387,18 @@ class Enforcer:
 
     def _refuse_kernel_limits(self, refused: dict[str, ContainerIdentity],
                               result: EvaluationResult) -> None:
-        """Audit (once per container) each limited container the kernel limit cannot key: the
-        cgroup that names it is no cgroup v2 directory (a hybrid host whose runtime manages v1
-        only), so its processes are counted in the v2 root, a service or a cgroup shared with
-        other containers -- a limit there would act on all of them together."""
+        """Audit (once per container) each limited container the kernel limit cannot key: its
+        probe counters had to be joined per process because the cgroup that names it is not
+        the v2 cgroup its processes are counted in (a hybrid host whose runtime manages v1
+        only: the v2 root, a service, or a cgroup shared with other containers) -- a limit
+        there would act on all of them together."""
         for key, identity in refused.items():
             if key in self.kernel_refused:
                 continue
-            reason = (f"in-kernel limit refused: {identity.cgroup_path!r} is not a cgroup v2 directory (a v1 "
-                      "controller names this container on a hybrid host); its processes are counted by the "
-                      "kernel in another v2 cgroup, possibly shared with other containers, so a kernel kill/stop "
-                      "there could hit them")
+            reason = (f"in-kernel limit refused: {identity.cgroup_path!r} is not the cgroup v2 its processes "
+                      "are in (a v1 controller names this container on a hybrid host); the kernel counts them "
+                      "in another v2 cgroup, possibly shared with other containers, so a kernel kill/stop "
+                      "there could hit those")
             self.kernel_refused[key] = reason
             log.warning("%s: %s", identity.display_name, reason)
             self.audit.record_event(

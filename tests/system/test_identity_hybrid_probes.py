@@ -160,4 +160,4 @@ def enforce_refused(snapshot: object, cid_b: str, tmp_path: Path) -> None:
     assert limits.limits == {}
     refusals = [e for e in read_audit(tmp_path / "audit.jsonl") if e.get("action") == "refuse-inkernel"]
     assert [e["target"]["container_id"] for e in refusals] == [cid_b]  # type: ignore[index]
-    assert "not a cgroup v2 directory" in str(refusals[0]["reason"])
+    assert "is not the cgroup v2 its processes" in str(refusals[0]["reason"])

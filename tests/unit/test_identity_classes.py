@@ -218,3 +218,13 @@ def test_policies_match_a_slurm_job_or_user() -> None:
     assert select_rule(policy, other).rule.name == "alice"  # type: ignore[union-attr]
     bob = replace(other, labels=(("slurm_user", "bob"),))
     assert select_rule(policy, bob).rule is None
+
+
+def test_top_shows_the_job_and_step() -> None:
+    from gpuwatch.model import ContainerUsage
+    from gpuwatch.tui.state import container_labels
+
+    step = _of(v2("/system.slice/slurmstepd.scope/job_42/step_batch/user/task_0"))
+    usage = ContainerUsage(identity=step, gpu_index=0, gpu_uuid="GPU-0", memory_bytes=1, sm_utilization_ratio=0.0,
+                           kernel_seconds_total=0.0)
+    assert container_labels(usage) == ("slurm", "job-42", "step-batch")
