@@ -1,8 +1,9 @@
-"""`gpuwatch policy check|explain`: validate a policy file and show which rule applies.
+"""`gpuwatch policy check|explain|schema`: validate a policy file and show which rule applies.
 
-Both work offline on the file alone: `check` lists every problem (`FILE:LINE: what; fix:
-how`) and exits 1; `explain` builds a container identity from the flags and walks the
-rules in order, saying why each one does or does not match.
+All work offline: `check` lists every problem of a file (`FILE:LINE: what; fix: how`) and
+exits 1; `explain` builds a container identity from the flags and walks the rules in order,
+saying why each one does or does not match; `schema` prints the JSON Schema that editors and
+CI validators check policy files with.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from gpuwatch.policy.model import Rule
 @click.group("policy")
 def policy() -> None:
     """Check and explain enforcement policy files (schema: gpuwatch/policy/SCHEMA.md)."""
+
+
+@policy.command("schema")
+def schema_cmd() -> None:
+    """Print the policy file's JSON Schema (gpuwatch/policy/policy.schema.json) for editors and CI."""
+    from gpuwatch.policy.jsonschema import render_schema
+
+    click.echo(render_schema(), nl=False)
 
 
 @policy.command("check")
