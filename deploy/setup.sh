@@ -35,6 +35,7 @@ apt_packages=(python3 python3-venv python3-dev python3-pip gcc libc6-dev make
   python3-bpfcc bpfcc-tools libbpfcc linux-headers-amd64
   runc strace prometheus prometheus-alertmanager iproute2 procps
   tmux  # tmux: drives the real `gpuwatch top` curses screen in system tests
+  slurm-wlm  # slurmctld + slurmd + munge: tests/system/test_identity_slurm_real.py (one-node cluster, ~1 s)
   mmdebstrap umoci skopeo)  # the agent image without a registry: deploy/image/build.sh (+ tests/system/test_image.py)
 missing=()
 for p in "${apt_packages[@]}"; do
