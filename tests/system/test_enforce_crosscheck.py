@@ -41,7 +41,7 @@ from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.conftest import need_binary
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import EXACT_DRIVER, private_node
 from tests.system.test_enforce_kernel_limit import LedgerWatch, identity_of, run_pod
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
@@ -166,7 +166,10 @@ def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: 
             pod = lab.run(ContainerSpec(
                 name="leaker", namespace="ml", pod="leak-0",
                 argv=[sys.executable, str(script), str(sim.libraries.cuda_path), str(markers)],
-                env=simnode.sim_env(sim), extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
+                # exact driver: the leak is in the libcuda counter (cuMemAlloc bytes); a 518 MiB context
+                # would be over the 300 MiB limit in NVML alone and hide the leak under the RM counter
+                env={**simnode.sim_env(sim), **EXACT_DRIVER},
+                extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
                 ro_binds=[str(sim.libraries.lib_dir)]))
             identity = identity_of(pod)
             assert identity.cgroup_id is not None

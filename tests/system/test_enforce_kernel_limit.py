@@ -92,6 +92,12 @@ def run_pod(lab: ContainerLab, sim: simnode.SimNode, markers: Path) -> RunningCo
             "--hold",
             "--checkpoint-marker",
             str(markers / "grow-0"),
+            # exact driver: the in-kernel limit reads the libcuda counter (cuMemAlloc bytes, never the
+            # 518 MiB context), and the test holds the ledger peak to that limit in the same bytes
+            "--context-mib",
+            "0",
+            "--suballoc-mib",
+            "0",
         ],
         env=simnode.sim_env(sim),
         extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
