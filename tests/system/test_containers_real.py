@@ -297,6 +297,7 @@ def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
     from gpuwatch.sim import demo
     from tests.conftest import need_binary, need_root
     from tests.system.promstack import free_port
+    from tests.system.sim_helpers import CONTEXT_BYTES
     from tests.system.test_agent import agent_argv, is_frozen, pods, running_agent, sample, scrape, sim_node, wait_until
 
     need_root()
@@ -330,8 +331,8 @@ def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
                 # cgroups may still show up as cgroup-id:<n> on a shared machine)
                 pod_ids = {os.stat(mounts.unified.rstrip("/") + c.cgroup_path).st_ino for c in p.containers}
                 assert not any(f'container="cgroup-id:{i}"' in text for i in pod_ids)
-                for w in demo.DEFAULT_WORKLOADS:
-                    want = w.memory_mib << 20
+                for w in demo.DEFAULT_WORKLOADS:  # its memory and its CUDA context (518 MiB, as on an H100)
+                    want = (w.memory_mib << 20) + CONTEXT_BYTES
                     assert sample(text, "gpuwatch_container_memory_bytes", namespace=w.namespace, pod=w.pod,
                                   container=w.container) == want, w
                     assert sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) == want, w

@@ -27,7 +27,7 @@ from gpuwatch.sim import demo
 from gpuwatch.sim.runc import ContainerLab
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import Prometheus, free_port, run_prometheus
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node
 from tests.system.test_agent import running_agent, sample, scrape, wait_until
 from tests.system.test_top_screen import EXIT_MARK, Pane, assert_restored, line_index, pane, tmux  # noqa: F401
 
@@ -102,19 +102,26 @@ def test_top_prometheus_lists_both_nodes_pods_with_their_memory(cluster: Cluster
         assert [g["index"] for g in node["gpus"]] == [0, 1] and all(g["healthy"] for g in node["gpus"])
         metrics = scrape(cluster.ports[name])
         got = {(c["namespace"], c["pod"], c["container"], c["gpu"]): c["memory_bytes"] for c in node["containers"]}
-        assert got == {(w.namespace, w.pod, w.container, w.gpu): w.memory_mib * MIB for w in workloads}, got
+        # each pod's process: its memory and its CUDA context (518 MiB, as on an H100)
+        assert got == {(w.namespace, w.pod, w.container, w.gpu): w.memory_mib * MIB + CONTEXT_BYTES
+                       for w in workloads}, got
         for c in node["containers"]:  # the agent's own numbers, not double even where scraped twice
             assert c["memory_bytes"] == sample(metrics, "gpuwatch_container_memory_bytes", pod=c["pod"])
             assert c["container_id"] and c["pod_uid"]
             assert c["kernel_seconds_total"] is not None and c["sm_utilization_ratio"] is not None
         for g in node["gpus"]:
-            on_gpu = sum(w.memory_mib * MIB for w in workloads if w.gpu == g["index"])
+            on_gpu = sum(w.memory_mib * MIB + CONTEXT_BYTES for w in workloads if w.gpu == g["index"])
             assert g["tenants"] == sum(1 for w in workloads if w.gpu == g["index"])
             assert g["memory_used_bytes"] == sample(metrics, "gpuwatch_gpu_memory_used_bytes", gpu=str(g["index"]))
             assert g["memory_used_bytes"] >= on_gpu and g["memory_total_bytes"] > 0
     namespaces = {n["namespace"]: n["memory_bytes"] for n in doc["namespaces"]}
-    assert namespaces["ml-team"] == (20480 + 8192) * MIB  # east scraped twice, counted once
-    assert namespaces["inference"] == 12288 * MIB and namespaces["batch"] == 4096 * MIB
+    assert namespaces["ml-team"] == (20480 + 8192) * MIB + 2 * CONTEXT_BYTES  # east scraped twice, counted once
+    assert namespaces["inference"] == 12288 * MIB + CONTEXT_BYTES and namespaces["batch"] == 4096 * MIB + CONTEXT_BYTES
+
+
+def shown_gib(memory_mib: int) -> str:
+    """How top shows a pod holding `memory_mib` beside its CUDA context (518 MiB, as on an H100)."""
+    return f"{(memory_mib * MIB + CONTEXT_BYTES) / 2**30:.1f}"
 
 
 def test_top_prometheus_once_table_and_filters(cluster: Cluster) -> None:
@@ -128,8 +135,8 @@ def test_top_prometheus_once_table_and_filters(cluster: Cluster) -> None:
         assert any(line.startswith(f"{name}  GPU 1  ") for line in lines)
     rows = {line.split()[2]: line.split() for line in lines if line.startswith("  sim-")}
     assert rows["trainer-0"][:4] == ["sim-east", "ml-team", "trainer-0", "trainer"]
-    assert rows["trainer-0"][4:6] == ["20.0", "GiB"]
-    assert rows["etl-0"][:6] == ["sim-west", "batch", "etl-0", "etl", "4.0", "GiB"]
+    assert rows["trainer-0"][4:6] == [shown_gib(20480), "GiB"]  # 20.5
+    assert rows["etl-0"][:6] == ["sim-west", "batch", "etl-0", "etl", shown_gib(4096), "GiB"]  # 4.5
     assert len(rows) == 4
 
     west = json.loads(top(cluster, "--json", "--node", "sim-west").stdout)
