@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from gpuwatch.sim import node as simnode
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port, run_prometheus
 from tests.system.sim_helpers import private_node, workers
@@ -32,6 +33,9 @@ from tests.system.test_agent import running_agent
 
 SCRAPE_S = 0.5
 GIB = 2**30
+# 32 GiB for the team's data and their two demo pods' CUDA contexts (518 MiB each, as on an H100):
+# 4 GiB left beside the 28 GiB the pods hold, as a quota sized for real pods leaves
+ML_TEAM_QUOTA_MIB = 32 * 1024 + 2 * DEFAULT_CONTEXT_MIB
 NODES = {  # node name -> (GPUs, memory each, topology)
     "gpu-n1": (2, "80GiB", "nvlink-pairs"),
     "gpu-n2": (4, "40GiB", "pcie"),
@@ -202,7 +206,7 @@ def test_namespace_quota_from_the_agents_policy(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text("version: 1\nrules:\n  - name: observe\n    match: {default: true}\n"
                       "    limits: {gpu_memory: 100%}\n    actions:\n      - {do: alert, at: 100%}\n"
-                      "namespace_quotas:\n  - namespace: ml-team\n    limits: {gpu_memory: 32GiB}\n"
+                      f"namespace_quotas:\n  - namespace: ml-team\n    limits: {{gpu_memory: {ML_TEAM_QUOTA_MIB}MiB}}\n"
                       "    actions:\n      - {do: alert, at: 100%}\n")
     port = free_port()
     with private_node(tmp_path / "node", devices=2) as sim:
@@ -212,7 +216,7 @@ def test_namespace_quota_from_the_agents_policy(tmp_path: Path) -> None:
                            port), pods(tmp_path / "node", sim), \
                 run_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], binary=prometheus,
                                interval_s=SCRAPE_S) as prom:
-            # the demo pods: ml-team holds 20 + 8 GiB, inference 12 GiB
+            # the demo pods: ml-team holds 20 + 8 GiB and two contexts (29 GiB), inference 12 GiB and one
             assert prom.wait_for('sum(gpuwatch_namespace_memory_bytes{namespace="ml-team"}) >= 28 * 2^30', 30)
             assert prom.wait_for('gpuwatch_namespace_gpu_memory_quota_bytes{namespace="ml-team"}', 30)
             with extender(prom.base_url, tmp_path) as client:
@@ -220,7 +224,7 @@ def test_namespace_quota_from_the_agents_policy(tmp_path: Path) -> None:
                 over = client.call("filter", _pod("over", {"gpuwatch.io/gpu-memory": "8Gi"}, namespace="ml-team"),
                                    names)[1]
                 assert over["NodeNames"] == []
-                assert over["FailedNodes"]["sim-node"] == ("namespace ml-team at 28 GiB/32 GiB quota "
+                assert over["FailedNodes"]["sim-node"] == ("namespace ml-team at 29 GiB/33 GiB quota "
                                                            "(the pod asks 8 GiB more)")
                 within = client.call("filter", _pod("within", {"gpuwatch.io/gpu-memory": "4Gi"},
                                                     namespace="ml-team"), names)[1]
