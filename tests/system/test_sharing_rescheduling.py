@@ -2,7 +2,10 @@
 (stop at the allocation) and the enforcer (freeze / thaw + SIGCONT).
 
 A 4 GiB GPU and three jobs that each grow to 2 GiB (declared by their pods' rule) while they
-work: together 6 GiB. Without the agent the third job's allocations would fail with
+work: together 6 GiB. Each job's process also holds its CUDA context (518 MiB, as on an H100;
+created at its start, before any cuMemAlloc the probes could stop): the GPU has room for the
+three contexts on top of the 4 GiB, and the rule's limit counts the job's own context.
+Without the agent the third job's allocations would fail with
 CUDA_ERROR_OUT_OF_MEMORY; with fair share + rescheduling it waits, frozen and stopped at its
 first allocation ("waiting for memory" in top), until a job ends, then resumes. Every job
 completes; none sees an OOM."""
@@ -20,13 +23,15 @@ from gpuwatch import snapshot_doc
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.sim import demo
 from gpuwatch.sim import node as simnode
+from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from gpuwatch.tui.render import plain_table
 from tests.system.sharing_lab import InProcessAgent
-from tests.system.sim_helpers import private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf, pytest.mark.slow]
 GIB = 1 << 30
+GPU_BYTES = 4 * GIB + 3 * CONTEXT_BYTES  # two jobs' 2 GiB and all three contexts
 NS = "resched-test"
 POLICY = f"""
 fair_share: {{enabled: true, split: demand}}
@@ -34,7 +39,7 @@ rescheduling: {{checkpoint_after: never}}
 rules:
   - name: jobs
     match: {{namespace: {NS}}}
-    limits: {{gpu_memory: 2GiB}}
+    limits: {{gpu_memory: {2048 + DEFAULT_CONTEXT_MIB}MiB}}
     actions: [{{do: alert, at: 101%}}]
 """
 
@@ -51,7 +56,7 @@ def spec(sim: simnode.SimNode, name: str) -> ContainerSpec:
 def test_oversubscribed_gpu_waits_instead_of_oom_and_every_job_resumes(
     tmp_path: Path, runc_required: str, bcc_required: None
 ) -> None:
-    with private_node(tmp_path / "node", devices=1, memory_bytes=4 * GIB) as sim:
+    with private_node(tmp_path / "node", devices=1, memory_bytes=GPU_BYTES) as sim:
         dirs = demo.default_lab_dirs(tmp_path / "node")
         with ContainerLab(**dirs) as lab, InProcessAgent(sim, dirs, tmp_path, POLICY) as agent:
             jobs: list[RunningContainer] = []
@@ -72,13 +77,14 @@ def test_oversubscribed_gpu_waits_instead_of_oom_and_every_job_resumes(
         assert not agent.errors, agent.errors
     for name, (status, logs) in exits.items():
         assert status == 0 and "done " in logs and "oom " not in logs, (name, status, logs[-500:])
-    assert peak <= 4 * GIB
+    assert peak <= GPU_BYTES
     # the third does not fit while the first two hold 4 GiB (the second may wait a round too:
     # the first, alone, was promised the whole GPU until its allowance shrank)
     assert "third" in seen_waiting, f"the third job never waited for memory: {list(seen_waiting)}"
     shown = seen_waiting["third"]
     third = next(e for e in shown.enforcement if e.identity.pod_name == "third")  # type: ignore[attr-defined]
-    assert third.pending_bytes == GIB and third.memory_limit_bytes == 0
+    # its allowance is what it holds already, its context: no room for data yet
+    assert third.pending_bytes == GIB and third.memory_limit_bytes == CONTEXT_BYTES
     table = plain_table(shown)  # type: ignore[arg-type]
     print(table)
     assert "waiting for memory" in table
