@@ -20,7 +20,9 @@ from tests.system.promstack import free_port, run_prometheus
 from tests.system.test_agent import agent_argv, pods, running_agent, sim_node
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
-TEMPLATE_VALUES = {"$node": ".*", "$namespace": ".*"}
+# Grafana's variables as it fills them in: $__rate_interval is max(4 x scrape interval,
+# step + scrape interval), at least 1m with the default 15 s scrape; $__range the time range
+TEMPLATE_VALUES = {"$node": ".*", "$namespace": ".*", "$__rate_interval": "1m", "$__range": "1h"}
 
 
 def _queries() -> list[tuple[str, str, str]]:
@@ -34,7 +36,7 @@ def _queries() -> list[tuple[str, str, str]]:
 
 
 def _expand(expr: str) -> str:
-    return re.sub(r"\$(node|namespace)", lambda m: TEMPLATE_VALUES[m.group(0)], expr)
+    return re.sub(r"\$(__rate_interval|__range|node|namespace)", lambda m: TEMPLATE_VALUES[m.group(0)], expr)
 
 
 def test_dashboards_are_well_formed() -> None:

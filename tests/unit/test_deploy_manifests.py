@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "base"  # the kustomize base
-CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "NodeFeatureRule": "nfd.k8s-sigs.io/v1alpha1"}
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
+             "NodeFeatureRule": "nfd.k8s-sigs.io/v1alpha1"}
 KUBERNETES_VERSION = "1.30"
 
 
@@ -37,6 +38,8 @@ def test_manifest_is_valid(name: str, doc: dict[str, Any]) -> None:
         assert doc["apiVersion"] == CRD_KINDS[doc["kind"]]
         if doc["kind"] == "ServiceMonitor":
             assert doc["spec"]["endpoints"][0]["port"] == "metrics"
+        elif doc["kind"] == "PrometheusRule":  # its groups = the rule file (test_kube_prometheus.py)
+            assert doc["spec"]["groups"] and all(g["name"] and g["rules"] for g in doc["spec"]["groups"])
         else:
             _check_node_feature_rule(doc)
         return
