@@ -85,7 +85,7 @@ def test_kube_scheduler_configuration_calls_the_extender_service() -> None:
     config = _load("kube-scheduler-config.yaml")
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert config["kind"] == "KubeSchedulerConfiguration"
-    assert [p["schedulerName"] for p in config["profiles"]] == ["gpuwatch-scheduler"]
+    assert [p["schedulerName"] for p in config["profiles"]] == ["default-scheduler"]  # the kubeadm route
     (ext,) = config["extenders"]
     assert set(ext) <= EXTENDER_FIELDS, set(ext) - EXTENDER_FIELDS
     assert ext["filterVerb"] in VERBS and ext["prioritizeVerb"] in VERBS
