@@ -329,8 +329,7 @@ def up(
     run time; N > 1 is MPS-like (up to N at once, each at full speed). `sample_period_ms`
     is the NVML process-utilisation sample period (default 1/6 s, see
     DEFAULT_SAMPLE_PERIOD_MS; 10..1000 ms); `nvml_cost` ("off" or "h100-580") makes every
-    fake NVML call on the node burn the CPU the real call took (README "NVML samples and
-    cost"). Re-creating a node
+    fake NVML call on the node burn the CPU the real call took (README "NVML cost model"). Re-creating a node
     that is up resets its ledger and empties its kernel log (`kmsg_path`): processes of
     the old node keep their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)

@@ -200,8 +200,14 @@ static int check_dev(nvmlDevice_t d)
 
 struct cost_guard {
     uint64_t start_ns;
-    uint32_t cost_ns; /* 0: no cost model */
+    uint32_t cost_ns; /* 0: no cost model, or a call made inside another NVML call */
 };
+
+/* this thread's CPU inside NVML calls while the cost model is on (gpuwatchsim_nvml_thread_cpu_ns),
+ * and how deep in NVML calls it is (a call made by another, e.g. GetCount -> GetCount_v2,
+ * neither burns nor counts again) */
+static __thread uint64_t t_nvml_cpu_ns;
+static __thread unsigned t_nvml_depth;
 
 static uint64_t thread_cpu_ns(void)
 {
@@ -213,7 +219,8 @@ static uint64_t thread_cpu_ns(void)
 static inline struct cost_guard cost_begin(uint32_t cost_ns)
 {
     struct cost_guard g = {0, 0};
-    if (g_mapped && __atomic_load_n(&g_sim.hdr->nvml_cost, __ATOMIC_RELAXED) == SIM_NVML_COST_H100_580) {
+    if (t_nvml_depth++ == 0 && g_mapped &&
+        __atomic_load_n(&g_sim.hdr->nvml_cost, __ATOMIC_RELAXED) == SIM_NVML_COST_H100_580) {
         g.cost_ns = cost_ns;
         g.start_ns = thread_cpu_ns();
     }
@@ -225,14 +232,23 @@ static volatile uint64_t g_cost_sink;
 /* runs when the call returns (cleanup attribute): spin until the call has used its cost */
 static void cost_end(struct cost_guard *g)
 {
+    t_nvml_depth--;
     if (!g->cost_ns)
         return;
-    uint64_t until = g->start_ns + g->cost_ns;
+    uint64_t until = g->start_ns + g->cost_ns, now;
     uint64_t x = g_cost_sink;
-    while (thread_cpu_ns() < until)
+    while ((now = thread_cpu_ns()) < until)
         for (int k = 0; k < 64; k++)
             x = x * 6364136223846793005ULL + 1442695040888963407ULL;
     g_cost_sink = x;
+    t_nvml_cpu_ns += now - g->start_ns;
+}
+
+/* The calling thread's CPU spent inside NVML calls while the cost model was on (ns): what the
+ * modelled driver cost this thread (benchmarks/bench_pipeline.py reads it around each sweep). */
+API unsigned long long gpuwatchsim_nvml_thread_cpu_ns(void)
+{
+    return t_nvml_cpu_ns;
 }
 
 #define NVML_COST(ns) __attribute__((cleanup(cost_end))) struct cost_guard nvml_cost_guard_ = cost_begin(ns)
@@ -857,10 +873,12 @@ static unsigned long long period_end_us(uint64_t k, uint64_t period_ns)
     return (unsigned long long)(((k + 1) * period_ns) / 1000ULL);
 }
 
-static unsigned sim_samples(int i, unsigned long long last_seen_us, uint64_t now_ns, size_t *count)
+static unsigned sim_samples(int i, unsigned long long last_seen_us, uint64_t now_ns, size_t *count,
+                            size_t *headroom)
 {
     uint64_t period_ns = sim_sample_period_ns(g_sim.hdr);
     *count = 0;
+    *headroom = 0;
     if (now_ns < period_ns + SIM_SAMPLE_PUBLISH_GUARD_NS)
         return 0;
     uint64_t k_last = (now_ns - SIM_SAMPLE_PUBLISH_GUARD_NS) / period_ns; /* first unpublished */
@@ -889,6 +907,7 @@ static unsigned sim_samples(int i, unsigned long long last_seen_us, uint64_t now
             continue;
         if (!((p->context_mask >> i) & 1u) && p->memory_bytes[i] == 0)
             continue;
+        (*headroom)++; /* it may get a sample in the next period published */
         for (uint64_t k = k_first; k <= k_last; k++) {
             uint32_t busy = sim_sample_busy_us(p, i, k);
             if (!busy)
@@ -945,6 +964,8 @@ _Static_assert(sizeof(struct rp_sample) == 24, "replay sample 24 bytes");
 _Static_assert(sizeof(struct rp_proc_snap) == 24, "replay process list 24 bytes");
 _Static_assert(sizeof(struct rp_proc_entry) == 16, "replay process 16 bytes");
 _Static_assert(sizeof(struct rp_util_snap) == 24, "replay utilisation 24 bytes");
+
+#define REPLAY_HEADROOM_US 1000000ULL /* a size query counts the samples of the next second too */
 
 struct replay {
     char path[SIM_PATH_LEN];
@@ -1020,9 +1041,11 @@ static int64_t replay_now_rel(const struct replay *r)
     return (int64_t)(now_us - r->origin_us);
 }
 
-static void replay_samples(const struct replay *r, int i, unsigned long long last_seen_us, size_t *count)
+static void replay_samples(const struct replay *r, int i, unsigned long long last_seen_us, size_t *count,
+                           size_t *headroom)
 {
     *count = 0;
+    *headroom = 0;
     uint64_t now_us = sim_realtime_ns() / 1000ULL;
     if (now_us < r->origin_us)
         return;
@@ -1033,8 +1056,13 @@ static void replay_samples(const struct replay *r, int i, unsigned long long las
         const struct rp_sample *s = &r->samples[k];
         if (s->device != (uint32_t)i)
             continue;
-        if (s->ts_rel_us > now_rel)
+        if (s->ts_rel_us > now_rel) {
+            for (; k < r->h->n_samples && r->samples[k].device == (uint32_t)i &&
+                   r->samples[k].ts_rel_us <= now_rel + REPLAY_HEADROOM_US;
+                 k++)
+                (*headroom)++;
             break;
+        }
         if (last_seen_us && s->ts_rel_us <= seen_rel)
             continue;
         if (push_sample(n, s->pid, r->origin_us + s->ts_rel_us, s->sm) < 0)
@@ -1276,15 +1304,19 @@ API nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t d, unsigned int *u
     return nvmlDeviceGetEncoderUtilization(d, util, period_us);
 }
 
-/* samples of device i newer than last_seen_us into g_samples (g_scratch_lock held) */
-static size_t collect_samples(int i, unsigned long long last_seen_us)
+/* Samples of device i newer than last_seen_us into g_samples (g_scratch_lock held). `headroom`:
+ * how many more a call made a moment later may find (the next period's). A size query (NULL
+ * array) answers n + headroom, so the usual two calls -- ask the size, then fill -- do not fail
+ * with INSUFFICIENT_SIZE when a period is published between them (a period ends every 1/6 s;
+ * the fill call then returns the count it wrote). */
+static size_t collect_samples(int i, unsigned long long last_seen_us, size_t *headroom)
 {
     size_t n = 0;
     const struct replay *r = replay_current();
     if (r && (uint32_t)i < r->h->device_count)
-        replay_samples(r, i, last_seen_us, &n);
+        replay_samples(r, i, last_seen_us, &n, headroom);
     else
-        sim_samples(i, last_seen_us, sim_realtime_ns(), &n);
+        sim_samples(i, last_seen_us, sim_realtime_ns(), &n, headroom);
     return n;
 }
 
@@ -1296,13 +1328,14 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     pthread_mutex_lock(&g_scratch_lock);
-    size_t n = collect_samples(i, last_seen_us);
+    size_t headroom = 0;
+    size_t n = collect_samples(i, last_seen_us, &headroom);
     nvmlReturn_t rc = NVML_SUCCESS;
     if (n == 0) {
         *count = 0;
         rc = NVML_ERROR_NOT_FOUND; /* what the real driver says when no samples are newer */
     } else if (!samples || *count < n) {
-        *count = (unsigned)n;
+        *count = (unsigned)(samples ? n : n + headroom);
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
         for (size_t k = 0; k < n; k++) {
@@ -1328,13 +1361,14 @@ API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t d, nvmlProce
     if (info->version != nvmlProcessesUtilizationInfo_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     pthread_mutex_lock(&g_scratch_lock);
-    size_t n = collect_samples(i, info->lastSeenTimeStamp);
+    size_t headroom = 0;
+    size_t n = collect_samples(i, info->lastSeenTimeStamp, &headroom);
     nvmlReturn_t rc = NVML_SUCCESS;
     if (n == 0) {
         info->processSamplesCount = 0;
         rc = NVML_ERROR_NOT_FOUND;
     } else if (!info->procUtilArray || info->processSamplesCount < n) {
-        info->processSamplesCount = (unsigned)n;
+        info->processSamplesCount = (unsigned)(info->procUtilArray ? n : n + headroom);
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
         unsigned long long newest = 0;

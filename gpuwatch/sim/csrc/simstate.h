@@ -83,8 +83,9 @@
 #define SIM_MIN_SAMPLE_PERIOD_NS 10000000ULL   /* 10 ms .. */
 #define SIM_MAX_SAMPLE_PERIOD_NS 1000000000ULL /* .. 1 s */
 /* a period's samples are published this long after it ends: a launch that read the clock
- * just before the end may still be adding its last step to the period */
-#define SIM_SAMPLE_PUBLISH_GUARD_NS 2000000ULL
+ * just before the end may still be adding its last step to the period (a thread preempted
+ * between reading the clock and crediting: ms on a loaded host) */
+#define SIM_SAMPLE_PUBLISH_GUARD_NS 10000000ULL
 
 /* NVML cost model (header.nvml_cost): what each fake NVML call burns in the calling thread */
 #define SIM_NVML_COST_OFF 0u
