@@ -114,6 +114,8 @@ class AgentConfig:
     nvml_error_sweeps: int = 3
     network: bool = True  # node NICs, RDMA ports, containers' network bytes
     network_exclude: str | None = None  # NIC name regex left out; None: DEFAULT_NIC_EXCLUDE
+    health_stall_intervals: int = 10  # /healthz fails after this many intervals without a cycle
+    idle_without_gpus: bool = True  # no NVIDIA device nodes: idle until some appear (agent_idle.py)
 
 
 def _start_probes(config: AgentConfig, stack: ExitStack) -> ProbeManager | None:
@@ -269,6 +271,7 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
 
 
 def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
+    from gpuwatch.exporter.health import LoopHealth
     from gpuwatch.exporter.server import registry_for, serve
     from gpuwatch.sampler import build_sampler
 
@@ -282,6 +285,12 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
         from gpuwatch.enforce.policy_reload import PolicyLoad
 
         policy_load = PolicyLoad(config.policy_path)  # read and checked while the rest starts
+    if config.idle_without_gpus and not config.nvml_library:
+        from gpuwatch.agent_idle import idle_until_devices, nvidia_devices
+
+        if not nvidia_devices(config.device_prefix) and not idle_until_devices(
+                node, config.device_prefix, config.listen_host, config.listen_port, config.interval_s, stop):
+            return
     with ExitStack() as stack:
         probes = _start_probes(config, stack)
         sampler = build_sampler(nvml_library=config.nvml_library, interval_s=config.interval_s,
@@ -300,8 +309,9 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
             return
         # /snapshot.json carries the enforcer's per-container view (what top shows as STATE)
         served = sampler.latest if enforcer is None else (lambda: enforcer.decorate(sampler.latest()))
+        health = LoopHealth(sampler.loop_beat_s, config.interval_s, config.health_stall_intervals)
         server = serve(registry, config.listen_host, config.listen_port, get_snapshot=served,
-                       snapshot_remote=config.snapshot_remote)
+                       snapshot_remote=config.snapshot_remote, health=health)
         stack.callback(server.stop)
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
                  config.listen_host, server.port, node, config.interval_s)

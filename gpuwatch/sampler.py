@@ -119,6 +119,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._cycle_lock = threading.Lock()  # run_once from the loop and a caller never interleave
+        self._loop_beat_s: float | None = None  # time.monotonic() when the loop last finished a cycle
 
     # ---- public -----------------------------------------------------------------------
 
@@ -160,6 +161,11 @@ class Sampler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def loop_beat_s(self) -> float | None:
+        """time.monotonic() at which the sampling loop last finished a cycle, failed or not
+        (None before the first): what the agent's /healthz judges liveness by."""
+        return self._loop_beat_s
+
     # ---- internals --------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -173,6 +179,7 @@ class Sampler:
                                                    gpu_error=f"sampler cycle failed: {err!r}")
             next_at += self.interval_s
             now = time.monotonic()
+            self._loop_beat_s = now
             if next_at < now:  # overran: skip missed ticks instead of bursting
                 next_at = now + self.interval_s
             self._stopping.wait(next_at - now)

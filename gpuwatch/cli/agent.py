@@ -97,6 +97,13 @@ def _xid_list(text: str) -> frozenset[int]:
 @click.option("--network-exclude", default=None, metavar="REGEX",
               help="NIC names left out of the node's network metrics (full match). Default: lo, pods' veths "
                    "and CNI devices, bridges, tunnels, ifb. '' keeps every NIC.")
+@click.option("--health-stall-intervals", type=click.IntRange(2, 10000), default=10, show_default=True,
+              help="/healthz (the liveness probe) fails when the sampling loop finished no cycle for this many "
+                   "intervals (at least 5 s); /readyz is ok once the first cycle is done.")
+@click.option("--idle-without-gpus/--no-idle-without-gpus", default=True, show_default=True,
+              help="On a node without NVIDIA device nodes (<device-prefix>ctl, <device-prefix>N) start nothing "
+                   "but /metrics, /healthz and /readyz, and look again every 30 s (an all-nodes DaemonSet). "
+                   "Not with --nvml-library.")
 @runtime_root_options
 @click.option("-v", "--verbose", count=True, help="More logging (-v info is the default, -vv debug).")
 def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: float, nvml_library: str | None,
@@ -105,6 +112,7 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
           webhook_token_file: str | None, webhook_allow_remote: bool, state_file: str, lock_file: str,
           kmsg_path: str, nfd_features_file: str | None, health_ignore_xids: str | None,
           health_nvml_error_sweeps: int, network: bool, network_exclude: str | None,
+          health_stall_intervals: int, idle_without_gpus: bool,
           containerd_roots: tuple[str, ...], docker_roots: tuple[str, ...], runc_roots: tuple[str, ...],
           verbose: int) -> None:
     """Run the node agent until SIGTERM/SIGINT.
@@ -134,6 +142,7 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
         ignored_xids=_xid_list(health_ignore_xids) if health_ignore_xids is not None else None,
         nvml_error_sweeps=health_nvml_error_sweeps, network=network, network_exclude=_regex(network_exclude),
         bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
+        health_stall_intervals=health_stall_intervals, idle_without_gpus=idle_without_gpus,
     )
     from gpuwatch.agent import REEXEC_ENV, exec_daemon, run_until_signalled
 

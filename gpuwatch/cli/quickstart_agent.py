@@ -111,7 +111,8 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
         policy_path=str(policy_path) if policy_path is not None else None,
         audit_log=str(work / "audit.jsonl"), frozen_state_path=str(work / "frozen.json"),
         lock_path=str(work / "agent.lock"), bundle_roots=bundle_roots, kmsg_path=kmsg_path,
-        network=False)  # the demo pods' network bytes add nothing to the quick start
+        network=False,  # the demo pods' network bytes add nothing to the quick start
+        idle_without_gpus=False)  # an interactive start must show NVML's own error, not idle
     handler = _StartupLog()
     logger = logging.getLogger("gpuwatch")
     saved = (logger.level, logger.propagate)

@@ -12,6 +12,9 @@ Served by gpuwatch.httpserve (waitress with limits, METRICS_LIMITS): a few worke
 whatever the number of connections, idle/request/response deadlines, a connection cap
 that closes the longest-idle connections for new clients, bodies limited while read
 (no endpoint here takes one). GET and HEAD only: other methods get 405 with Allow.
+`/healthz` (liveness: the sampling loop finished a cycle recently) and `/readyz` (the first
+cycle is done) answer 200 or 503 with a one-line reason when a `health` judge is given
+(gpuwatch.exporter.health); the DaemonSet's probes use them.
 The default address is loopback; exposing it (0.0.0.0 in the DaemonSet) is the caller's
 explicit choice, and then serves the metrics only: /snapshot.json carries host pids,
 process names, cgroup paths and pod UIDs, so a non-loopback listener answers it 403
@@ -26,6 +29,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
+from gpuwatch.exporter.health import LoopHealth
 from gpuwatch.httpserve import BoundedServer, ServerLimits
 from gpuwatch.model import Snapshot
 
@@ -45,7 +49,7 @@ ALLOW = "GET, HEAD"
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-_REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
 def _plain(start_response: StartResponse, code: int, text: str, allow: str | None = None) -> list[bytes]:
@@ -58,17 +62,22 @@ def _plain(start_response: StartResponse, code: int, text: str, allow: str | Non
 
 
 def _app(registry: CollectorRegistry, get_snapshot: Callable[[], Snapshot] | None,
-         serve_snapshot: bool) -> WsgiApp:
+         serve_snapshot: bool, health: LoopHealth | None = None) -> WsgiApp:
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
         method = environ.get("REQUEST_METHOD", "GET")
-        known = path in ("/metrics", "/") or (path == "/snapshot.json" and get_snapshot is not None)
+        known = path in ("/metrics", "/") or (path == "/snapshot.json" and get_snapshot is not None) or (
+            path in ("/healthz", "/readyz") and health is not None)
         if not known:
             hint = "/metrics" + (" or /snapshot.json" if get_snapshot is not None and serve_snapshot else "")
             return _plain(start_response, 404, f"not found: try {hint}")
         if method not in ("GET", "HEAD"):
             return _plain(start_response, 405, f"{path} takes GET", allow=ALLOW)
+        if path in ("/healthz", "/readyz"):
+            assert health is not None
+            verdict = health.live() if path == "/healthz" else health.ready()
+            return _plain(start_response, 200 if verdict.ok else 503, verdict.reason)
         if path == "/snapshot.json":
             assert get_snapshot is not None
             if not serve_snapshot:
@@ -122,12 +131,12 @@ class ExporterServer:
 
 def serve(collector_registry: CollectorRegistry, address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT,
           get_snapshot: Callable[[], Snapshot] | None = None, *, snapshot_remote: bool = False,
-          limits: ServerLimits = METRICS_LIMITS) -> ExporterServer:
+          limits: ServerLimits = METRICS_LIMITS, health: LoopHealth | None = None) -> ExporterServer:
     """Serve /metrics (and /snapshot.json) in a daemon thread; returns the running server.
 
     /snapshot.json is served when `get_snapshot` is given and the listener is on loopback, or
-    anywhere with `snapshot_remote`. Raises OSError (e.g. EADDRINUSE) if the address cannot
-    be bound.
+    anywhere with `snapshot_remote`; /healthz and /readyz when `health` is given. Raises
+    OSError (e.g. EADDRINUSE) if the address cannot be bound.
     """
     holder: dict[str, WsgiApp] = {}
 
@@ -136,7 +145,7 @@ def serve(collector_registry: CollectorRegistry, address: str = DEFAULT_ADDRESS,
 
     server = BoundedServer(dispatch, address, port, name="gpuwatch-exporter", limits=limits)
     serves_snapshot = get_snapshot is not None and (snapshot_remote or server.loopback)
-    holder["app"] = _app(collector_registry, get_snapshot, serves_snapshot)
+    holder["app"] = _app(collector_registry, get_snapshot, serves_snapshot, health)
     server.start()
     return ExporterServer(server, address, serves_snapshot)
 
