@@ -32,8 +32,13 @@ freezer, closed-loop throttle) -- with one policy per mode:
 
 Mixes (one GPU of 8 GiB): homogeneous -- 4 identical jobs (3 GiB, exp loss curve);
 heterogeneous -- 4 jobs with different memory (2-3 GiB), work and curves (fast- and
-slow-converging exp, linear). Jobs arrive 0.3 s apart (arrival order = queue order). The
-combined demand is 12 / 10 GiB: two, then three jobs fit at a time. A third mix, converging
+slow-converging exp, linear). A job's memory is its whole footprint on the GPU, as
+nvidia-smi shows it and as its pod's rule declares it: its CUDA context (CONTEXT_MIB, 518
+MiB as on an H100, passed to the sim explicitly: --context-mib) and the data it grows in
+steps (the rest, in steps of whole 2 MiB pages, so a 3 GiB job holds 3068 MiB). Jobs arrive
+0.3 s apart (arrival order = queue order). The combined demand is 12 / 10 GiB: two, then
+three jobs fit at a time. A context is made at the job's start, before any allocation the
+probes can stop, so a job waiting for admission holds its context already. A third mix, converging
 (3 jobs, 6 GiB: not oversubscribed; one job flat after a fifth of its work), shows the
 elastic controller where no memory queue holds it off; it is reported on its own and not
 averaged into the JSON line's "modes".
@@ -79,14 +84,17 @@ OVERSUBSCRIBED = ("homogeneous", "heterogeneous")
 """The mixes whose memory demand exceeds the GPU: the JSON line's "modes" average these."""
 NAMESPACE = "bench"
 RETRY_S = 1.0
+CONTEXT_MIB = 518
+"""Each job's CUDA context (a real H100's; `gpuwatch sim run --context-mib`): part of its footprint."""
 STARTUP_S = 1.0
 POLL_S = 0.1
 
 
 @dataclass(frozen=True)
 class Job:
-    """One training-like job: memory grown in `steps` (dividing it exactly) while working, `work_s` GPU-seconds,
-    a loss curve (exp or linear: both can be resumed from a checkpoint by shifting V0)."""
+    """One training-like job: a footprint of at most `memory_mib` -- its CUDA context, then data grown in `steps`
+    while working -- `work_s` GPU-seconds, a loss curve (exp or linear: both can be resumed from a checkpoint by
+    shifting V0)."""
 
     name: str
     memory_mib: int
@@ -97,6 +105,17 @@ class Job:
     gpu: int = 0
     start: float = 1.0
     arrival_s: float = 0.0
+
+    @property
+    def step_mib(self) -> int:
+        """Data per step: what is left of `memory_mib` beside the context, in steps of whole 2 MiB pages (the
+        driver rounds a larger allocation up to them, so the footprint is exactly `footprint_mib`)."""
+        return max(self.memory_mib - CONTEXT_MIB, 0) // self.steps // 2 * 2
+
+    @property
+    def footprint_mib(self) -> int:
+        """What the job holds on the GPU at its last step (context and data): its declared demand."""
+        return CONTEXT_MIB + self.steps * self.step_mib
 
     def loss(self, work_s: float) -> float:
         if self.curve == "exp":
@@ -145,7 +164,7 @@ def policy_text(mode: str, jobs: list[Job], quick: bool) -> str:
     lines.append("rules:")
     for job in jobs:
         lines += [f"  - name: {job.name}", f"    match: {{namespace: {NAMESPACE}, pod: {job.name}}}",
-                  f"    limits: {{gpu_memory: {job.memory_mib}MiB}}",
+                  f"    limits: {{gpu_memory: {job.footprint_mib}MiB}}",
                   "    actions: [{do: alert, at: 101%}]"]  # its declared demand: reaching it is no violation
     return "\n".join(lines) + "\n"
 
@@ -246,11 +265,11 @@ class JobRun:
         job = self.job
         left = max(job.work_s - self.done_work_s, 0.01)
         start = job.loss(self.done_work_s)
-        mib_per_step = job.memory_mib // job.steps  # whole MiB: the steps add up to the declared demand
         # a training job's start (imports, data loading) before its first CUDA allocation
         startup = ["/bin/sh", "-c", f'sleep {STARTUP_S:g} && exec "$@"', job.name]
         return [*startup, sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim_name, "--gpu", str(job.gpu),
-                "--mib-per-step", f"{mib_per_step:g}", "--steps", str(job.steps), "--interval-s", "0.5", "--hold",
+                "--context-mib", str(CONTEXT_MIB),  # with the steps: the declared demand exactly
+                "--mib-per-step", str(job.step_mib), "--steps", str(job.steps), "--interval-s", "0.5", "--hold",
                 "--duty", "1", "--kernel-ms", "10", "--work-s", f"{left:.3f}",
                 "--progress-curve", job.curve, "--progress-rate", f"{job.rate:g}",
                 "--progress-start", f"{max(start, 1e-9):.9g}", "--progress-file", str(self.progress_file),
