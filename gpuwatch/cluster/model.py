@@ -10,6 +10,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class OutsidePod:
+    """A process on a GPU outside any pod (gpuwatch_gpu_process_outside_pod_memory_bytes)."""
+
+    pid: int
+    comm: str
+    cgroup: str
+    memory_bytes: float
+
+    def describe(self) -> str:
+        from gpuwatch.policy.units import format_bytes
+
+        return f"pid {self.pid} {self.comm} outside any pod ({self.cgroup or '/'}, {format_bytes(self.memory_bytes)})"
+
+
+@dataclass(frozen=True)
 class ClusterGpu:
     """One physical GPU of one node."""
 
@@ -24,8 +39,9 @@ class ClusterGpu:
     healthy: bool = True
     reason: str = "ok"  # gpuwatch_gpu_healthy's reason label
     xid: int | None = None  # the Xid that made it unhealthy (reason "xid")
-    tenants: int = 0  # containers holding memory or running on it
+    tenants: int = 0  # tenants holding memory or running on it: containers and non-pod cgroups
     exclusive: bool = False  # a running container holds it with gpuwatch.io/sharing: exclusive
+    outside_pod: tuple[OutsidePod, ...] = ()  # processes on it that belong to no pod, largest first
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatch.cluster.model import ClusterContainer, ClusterGpu, ClusterNode, ClusterState
+from gpuwatch.cluster.model import ClusterContainer, ClusterGpu, ClusterNode, ClusterState, OutsidePod
 
 CONTAINER_BY = "node, gpu, namespace, pod, pod_uid, container, container_id"
 PHYSICAL = 'gpu!~".+/.+"'  # not a MIG instance ("0/mig1")
@@ -74,6 +74,8 @@ def cluster_queries(node: str | None = None, *, containers: bool = True) -> dict
         "gpu_utilization": gpu("gpuwatch_gpu_utilization_ratio"),
         "gpu_tenants": gpu("gpuwatch_gpu_tenants"),
         "gpu_exclusive": gpu("gpuwatch_gpu_exclusive"),
+        "gpu_outside_pod": (f"max by (node, gpu, pid, comm, cgroup) "
+                            f"({sel('gpuwatch_gpu_process_outside_pod_memory_bytes', PHYSICAL)})"),
         "gpu_container_series": (f"count by (node, gpu) (max by ({CONTAINER_BY}) "
                                  f"({sel('gpuwatch_container_memory_bytes')}))"),
         "pair_score": f"max by (node, gpu, peer) ({sel('gpuwatch_gpu_pair_score')})",
@@ -116,6 +118,7 @@ def placement_queries() -> dict[str, str]:
     queries["gpu_healthy"] = f"max by (node, gpu, reason, xid) (gpuwatch_gpu_healthy{{{PHYSICAL}}}) == 0"
     queries["gpu_tenants"] = f"max by (node, gpu) (gpuwatch_gpu_tenants{{{PHYSICAL}}}) > 0"
     queries["gpu_exclusive"] = f"max by (node, gpu) (gpuwatch_gpu_exclusive{{{PHYSICAL}}}) > 0"
+    queries["gpu_outside_pod"] = full["gpu_outside_pod"]  # rare: processes outside any pod on a GPU
     return queries
 
 
@@ -183,6 +186,20 @@ def _per_gpu(results: ResultsLike, name: str) -> dict[tuple[str, int], float]:
         if key not in out or value > out[key]:
             out[key] = value
     return out
+
+
+def _outside_pod(results: ResultsLike) -> dict[tuple[str, int], tuple[OutsidePod, ...]]:
+    """(node, physical gpu) -> its processes outside any pod, largest memory first."""
+    out: dict[tuple[str, int], list[OutsidePod]] = {}
+    for labels, value, _ in results.get("gpu_outside_pod", ()):
+        node = labels.get("node")
+        parsed = parse_gpu_label(labels.get("gpu", ""))
+        if not node or parsed is None or parsed[1] or not labels.get("pid", "").isdigit():
+            continue
+        memory = value if math.isfinite(value) else 0.0
+        out.setdefault((node, parsed[0]), []).append(
+            OutsidePod(int(labels["pid"]), labels.get("comm", ""), labels.get("cgroup", ""), memory))
+    return {key: tuple(sorted(found, key=lambda p: (-p.memory_bytes, p.pid))) for key, found in out.items()}
 
 
 def _per_namespace(results: ResultsLike, name: str) -> dict[str, float]:
@@ -340,6 +357,7 @@ def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = T
     util = _per_gpu(results, "gpu_utilization")
     tenants = _per_gpu(results, "gpu_tenants")
     exclusive = _per_gpu(results, "gpu_exclusive")
+    outside = _outside_pod(results)
     counted = _container_counts(results)
     memory = _container_values(results, "container_memory")
     sm = _container_values(results, "container_sm")
@@ -366,6 +384,7 @@ def build_state(results: ResultsLike, now_s: float, *, health_complete: bool = T
             xid=verdict.xid if verdict else None,
             tenants=int(count) if count is not None else counted.get(key, 0),
             exclusive=exclusive.get(key, 0.0) > 0,
+            outside_pod=outside.get(key, ()),
         ))
 
     pairs_by_node = (static.pairs if static is not None else _pair_scores(results)) if with_pairs else {}

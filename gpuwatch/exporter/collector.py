@@ -44,7 +44,7 @@ from gpuwatch.exporter.labels import (
 from gpuwatch.exporter.progress import progress_families
 from gpuwatch.exporter.signals import health_reason, signal_families
 from gpuwatch.model import Snapshot
-from gpuwatch.policy.sharing import exclusive_holders, gpu_users
+from gpuwatch.policy.sharing import exclusive_holders, gpu_tenants, gpu_users, outside_pod_processes
 
 log = logging.getLogger(__name__)
 
@@ -201,19 +201,28 @@ class SnapshotCollector(Collector):
         snapshot alone, so they exist without a policy. MIG instances are counted on their row's
         GPU index and not exported separately."""
         tenants = GaugeMetricFamily("gpuwatch_gpu_tenants",
-                                    "Containers on the GPU: holding memory or running on it.", labels=GPU_LABELS)
+                                    "Tenants on the GPU holding memory or running on it: containers, and "
+                                    "processes outside any container by cgroup.", labels=GPU_LABELS)
         exclusive = GaugeMetricFamily("gpuwatch_gpu_exclusive",
                                       "1 while a container annotated gpuwatch.io/sharing=exclusive holds the GPU.",
                                       labels=GPU_LABELS)
-        users = gpu_users(s)
-        held = exclusive_holders(users)
-        for d in s.devices:
-            if d.mig_index is not None:
-                continue
+        outside = GaugeMetricFamily("gpuwatch_gpu_process_outside_pod_memory_bytes",
+                                    "GPU memory of each process on the GPU that belongs to no pod (host "
+                                    "processes, services, containers outside Kubernetes).",
+                                    labels=[*GPU_LABELS, "pid", "comm", "cgroup"])
+        all_tenants = gpu_tenants(s)
+        held = exclusive_holders(gpu_users(s))
+        devices = {d.index: d for d in s.devices if d.mig_index is None}
+        for d in devices.values():
             labels = [s.node, gpu_label(d), d.uuid, d.name]
-            tenants.add_metric(labels, len(users.get(d.index, {})))
+            tenants.add_metric(labels, len(all_tenants.get(d.index, {})))
             exclusive.add_metric(labels, 1.0 if held.get(d.index) else 0.0)
-        return [tenants, exclusive]
+        for proc in outside_pod_processes(s):
+            device = devices.get(proc.gpu_index)
+            if device is not None:
+                outside.add_metric([s.node, gpu_label(device), device.uuid, device.name, str(proc.pid), proc.comm,
+                                    proc.cgroup_path], float(proc.memory_bytes))
+        return [tenants, exclusive, outside]
 
     def _probes(self, s: Snapshot) -> list[Metric]:
         if not s.probe_counters:

@@ -3,7 +3,8 @@
 Per node (`evaluate`):
 * the node must have fresh gpuwatch data (newer than `max_data_age_s`) and NVML up;
 * a GPU is a candidate when it is healthy, not held by an exclusive pod, and
-  - exclusive: has no tenant and no promise,
+  - exclusive: has no tenant (in a pod or not: processes outside any pod count, and the
+    reason names them) and no promise,
   - shared: its free memory minus the safety margin (max(`margin_bytes`, `margin_ratio`
     of its size)) minus memory promised to pods not yet visible fits the per-GPU request;
 * `auto` (KubeGPU's adaptive mode choice): exclusive on idle GPUs when one is idle or the
@@ -159,8 +160,13 @@ def _judge_gpu(gpu: ClusterGpu, request: GpuRequest, mode: Sharing, promised: tu
     need = request.memory_bytes or 0
     if gpu.memory_total_bytes is not None and need > gpu.memory_total_bytes - _margin(gpu, config):
         return _Gpu(gpu, free, tenants, f"GPU {gpu.index} is too small ({format_bytes(gpu.memory_total_bytes)})")
-    if mode is Sharing.EXCLUSIVE and tenants:
-        return _Gpu(gpu, free, tenants, f"GPU {gpu.index} has {tenants} tenant{'s' if tenants != 1 else ''}")
+    if mode is Sharing.EXCLUSIVE and (tenants or gpu.outside_pod):
+        tenants = max(tenants, len(gpu.outside_pod))
+        reason = f"GPU {gpu.index} has {tenants} tenant{'s' if tenants != 1 else ''}"
+        if gpu.outside_pod:  # name what blocks it: no pod to evict, someone must stop the process
+            reason += ": " + ", ".join(p.describe() for p in gpu.outside_pod[:2])
+            reason += f" and {len(gpu.outside_pod) - 2} more" if len(gpu.outside_pod) > 2 else ""
+        return _Gpu(gpu, free, tenants, reason)
     if gpu.memory_free_bytes is None:
         return _Gpu(gpu, free, tenants, f"GPU {gpu.index} free memory unknown")
     if need and free < need:

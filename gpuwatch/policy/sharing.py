@@ -134,6 +134,40 @@ def gpu_users(snapshot: Snapshot) -> dict[int, dict[str, ContainerIdentity]]:
     return users
 
 
+def gpu_tenants(snapshot: Snapshot) -> dict[int, dict[str, ContainerIdentity]]:
+    """GPU index -> every tenant on it, in a container or not: the containers of `gpu_users`
+    plus each other cgroup (a host process, a systemd service, a plain docker container outside
+    Kubernetes) that holds memory, runs or has processes on the GPU. What "exclusive"
+    placement must count: a process outside any pod takes memory and SM time all the same."""
+    tenants = gpu_users(snapshot)
+    for row in snapshot.containers:
+        if row.gpu_index < 0 or row.identity.key in tenants.get(row.gpu_index, {}):
+            continue
+        if row.memory_bytes > 0 or row.processes or row.sm_utilization_ratio > 0:
+            tenants.setdefault(row.gpu_index, {})[row.identity.key] = row.identity
+    return tenants
+
+
+@dataclass(frozen=True)
+class OutsidePodProcess:
+    """A process on a GPU that belongs to no pod: what blocks an exclusive placement by name."""
+
+    gpu_index: int
+    pid: int
+    comm: str
+    cgroup_path: str
+    memory_bytes: int
+
+
+def outside_pod_processes(snapshot: Snapshot) -> list[OutsidePodProcess]:
+    """The processes NVML lists on a GPU whose cgroup is no pod's, largest memory first."""
+    found = [OutsidePodProcess(row.gpu_index, proc.pid, proc.comm, row.identity.cgroup_path,
+                               proc.memory_bytes or 0)
+             for row in snapshot.containers if row.gpu_index >= 0 and not row.identity.pod_name
+             for proc in row.processes]
+    return sorted(found, key=lambda p: (p.gpu_index, -p.memory_bytes, p.pid))
+
+
 def exclusive_holders(users: Mapping[int, Mapping[str, ContainerIdentity]]) -> dict[int, dict[str, ContainerIdentity]]:
     """GPU index -> the `exclusive` containers among its users (normally one; more is a conflict)."""
     held: dict[int, dict[str, ContainerIdentity]] = {}

@@ -179,7 +179,8 @@ def cluster_document(state: ClusterState, simulated: frozenset[str] = frozenset(
                     "network_speed_bytes", "network_throughput_bytes", "rdma",
                     "gpus": [{"index", "uuid", "model", "memory_total_bytes", "memory_used_bytes",
                               "memory_free_bytes", "utilization_ratio", "healthy", "reason", "xid",
-                              "tenants", "exclusive"}],
+                              "tenants", "exclusive",
+                              "outside_pod": [{"pid", "comm", "cgroup", "memory_bytes"}]}],
                     "pair_scores": [{"gpu", "peer", "score"}],
                     "containers": [{"gpu", "namespace", "pod", "pod_uid", "container",
                                     "container_id", "memory_bytes", "sm_utilization_ratio",
@@ -197,6 +198,7 @@ def cluster_document(state: ClusterState, simulated: frozenset[str] = frozenset(
         for g in gpus:
             for key in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "utilization_ratio"):
                 g[key] = _finite(g[key])
+            g["outside_pod"] = list(g["outside_pod"])
         nodes.append({
             "name": name, "simulated": name in simulated, "backend_up": node.backend_up,
             "last_scrape_s": node.last_scrape_s,

@@ -400,7 +400,8 @@ def test_exporter_tenants_and_exclusive_without_a_policy() -> None:
         return {"node": "n", "gpu": str(i), "uuid": f"GPU-{i}", "model": "sim"}
 
     assert registry.get_sample_value("gpuwatch_gpu_tenants", gpu(0)) == 1
-    assert registry.get_sample_value("gpuwatch_gpu_tenants", gpu(1)) == 1, "no memory, no process; host not counted"
+    # TENANT and the host process (a tenant all the same: issue 19); IDLE holds nothing
+    assert registry.get_sample_value("gpuwatch_gpu_tenants", gpu(1)) == 2, "no memory, no process: not a tenant"
     assert registry.get_sample_value("gpuwatch_gpu_exclusive", gpu(0)) == 1
     assert registry.get_sample_value("gpuwatch_gpu_exclusive", gpu(1)) == 0
 

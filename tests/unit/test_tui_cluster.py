@@ -167,7 +167,8 @@ def test_cluster_document() -> None:
     assert a["age_s"] == 1.5 and a["rdma"] and a["network_speed_bytes"] == 12.5e9
     assert a["gpus"][1] == {"index": 1, "uuid": "GPU-a1", "model": "H100", "memory_total_bytes": 80 * 2**30,
                             "memory_used_bytes": 0.0, "memory_free_bytes": 80 * 2**30, "utilization_ratio": 0.0,
-                            "healthy": False, "reason": "xid", "xid": 79, "tenants": 0, "exclusive": False}
+                            "healthy": False, "reason": "xid", "xid": 79, "tenants": 0, "exclusive": False,
+                            "outside_pod": []}
     assert a["pair_scores"] == [{"gpu": 0, "peer": 1, "score": 160.0}, {"gpu": 1, "peer": 0, "score": 160.0}]
     assert b["containers"] == [{"gpu": 0, "namespace": "inf", "pod": "serve", "pod_uid": "uid-serve",
                                 "container": "main", "container_id": "cid-serve-main", "memory_bytes": 2**30,
