@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -41,7 +41,13 @@ _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei"
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1), "k": Decimal(10**3),
             "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15),
             "E": Decimal(10**18)}
-_QUANTITY_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?\d+))?$")
+_QUANTITY_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?\d+))?$",
+                          re.ASCII)
+MAX_QUANTITY_CHARS = 64
+"""Longer text is no quantity anyone means (Kubernetes' own limit on a quantity's digits is 63)."""
+MAX_QUANTITY_EXPONENT = 30
+"""|exponent| of the e-notation: 1e30 bytes is far past any GPU; 1e1000000 would be computed exactly
+(or overflow the Decimal context) before any range check saw it."""
 
 
 class BadRequest(GpuwatchError):
@@ -88,14 +94,24 @@ class GpuRequest:
 
 
 def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes resource quantity ("8Gi", "1.5G", "1e9", "500m") as a Decimal; ValueError if not one."""
-    match = _QUANTITY_RE.match(text.strip())
+    """A Kubernetes resource quantity ("8Gi", "1.5G", "1e9", "500m") as a Decimal; ValueError if not one.
+
+    Bounded before any arithmetic: at most MAX_QUANTITY_CHARS characters and an e-notation
+    exponent within +-MAX_QUANTITY_EXPONENT, so no text (``1e1000000``) can overflow the
+    Decimal context or make the parse expensive."""
+    stripped = text.strip()
+    if len(stripped) > MAX_QUANTITY_CHARS:
+        raise ValueError(f"{text[:20]!r}... ({len(text)} characters) is not a Kubernetes quantity")
+    match = _QUANTITY_RE.match(stripped)
     if match is None:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
     number, suffix, exponent = match.groups()
     value = Decimal(number)
     if exponent is not None:
-        return value * (Decimal(10) ** int(exponent))
+        power = int(exponent)
+        if abs(power) > MAX_QUANTITY_EXPONENT:
+            raise ValueError(f"{text!r}: exponent {power} is out of range (at most +-{MAX_QUANTITY_EXPONENT})")
+        return value.scaleb(power)
     if suffix in _BINARY:
         return value * _BINARY[suffix]
     return value * _DECIMAL[suffix or ""]
@@ -126,16 +142,28 @@ def _gpu_limit(container: Any, where: str) -> int:
         return 0
     try:
         value = parse_quantity(str(raw))
-    except ValueError as err:
+    except (ValueError, ArithmeticError) as err:  # InvalidOperation, Overflow: never a 500
         raise BadRequest(f"{where} {GPU_RESOURCE}: {err}", fix="use a whole number of GPUs, e.g. 1") from err
     if value != value.to_integral_value() or value < 0 or value > MAX_GPUS:
-        raise BadRequest(f"{where} {GPU_RESOURCE} must be a whole number 0..{MAX_GPUS}, got {raw!r}",
+        raise BadRequest(f"{where} {GPU_RESOURCE} must be a whole number 0..{MAX_GPUS}, got {str(raw)[:80]!r}",
                          fix="ask for whole GPUs; use gpuwatch.io/gpu-share for a part of one")
     return int(value)
 
 
 def parse_pod(pod: Any) -> GpuRequest:
-    """The GPU request of a v1.Pod object (as kube-scheduler sends it). Raises BadRequest."""
+    """The GPU request of a v1.Pod object (as kube-scheduler sends it). Raises BadRequest.
+
+    Whatever a pod says, the answer is a request or BadRequest (which filter turns into
+    FailedAndUnresolvableNodes with the reason): a parse error that slipped past the checks
+    below must not become an HTTP 500, which an `ignorable` extender's caller would skip."""
+    try:
+        return _parse_pod(pod)
+    except (ValueError, TypeError, ArithmeticError) as err:
+        raise BadRequest(f"unreadable GPU request: {type(err).__name__}: {str(err)[:120]}",
+                         fix="check the pod's nvidia.com/gpu limits and gpuwatch.io annotations") from err
+
+
+def _parse_pod(pod: Any) -> GpuRequest:
     pod = _dict(pod, "Pod")
     meta = _dict(pod.get("metadata"), "Pod.metadata")
     spec = _dict(pod.get("spec"), "Pod.spec")
@@ -157,7 +185,8 @@ def parse_pod(pod: Any) -> GpuRequest:
     else:
         mode = parse_sharing_mode(str(sharing_text))
         if mode is None:
-            raise BadRequest(f"annotation {ANN_SHARING}: {sharing_text!r} is not one of exclusive, shared, auto",
+            raise BadRequest(f"annotation {ANN_SHARING}: {str(sharing_text)[:80]!r} is not one of exclusive, "
+                             "shared, auto",
                              fix=f"set {ANN_SHARING} to exclusive, shared or auto")
         sharing = Sharing(mode)
     if gpus == 0 and (memory is not None or share is not None or sharing_text is not None):
@@ -175,11 +204,12 @@ def _memory(raw: Any) -> int | None:
         return None
     try:
         value = parse_quantity(str(raw))
-    except (ValueError, InvalidOperation) as err:
-        raise BadRequest(f"annotation {ANN_MEMORY}: {raw!r} is not a quantity",
+    except (ValueError, ArithmeticError) as err:  # InvalidOperation, Overflow: never a 500
+        raise BadRequest(f"annotation {ANN_MEMORY}: {str(raw)[:80]!r} is not a quantity ({err})",
                          fix=f"write e.g. {ANN_MEMORY}: 8Gi (Ki, Mi, Gi, Ti or plain bytes)") from err
     if value < 1 or value > 2**50:
-        raise BadRequest(f"annotation {ANN_MEMORY}: {raw!r} is out of range", fix="use a size between 1 and 1Pi")
+        raise BadRequest(f"annotation {ANN_MEMORY}: {str(raw)[:80]!r} is out of range",
+                         fix="use a size between 1 and 1Pi")
     return int(value)
 
 
@@ -188,7 +218,7 @@ def _share(raw: Any) -> float | None:
         return None
     value = parse_gpu_share(str(raw))
     if value is None:
-        raise BadRequest(f"annotation {ANN_SHARE}: {raw!r} is not a share of one GPU in (0, 1]",
+        raise BadRequest(f"annotation {ANN_SHARE}: {str(raw)[:80]!r} is not a share of one GPU in (0, 1]",
                          fix=f'write e.g. {ANN_SHARE}: "0.5" or "50%" (a fraction of one GPU\'s time)')
     return value
 
@@ -201,4 +231,4 @@ def _flag(raw: Any, name: str) -> bool:
         return True
     if text in ("false", "0", "no", ""):
         return False
-    raise BadRequest(f"annotation {name}: {raw!r} is not true or false", fix=f'write {name}: "true"')
+    raise BadRequest(f"annotation {name}: {str(raw)[:80]!r} is not true or false", fix=f'write {name}: "true"')
