@@ -641,7 +641,7 @@ class NvmlBackend:
                 return {}, None
             samples = []
         self._schedule_util_read(dev, now_s, self._cpu_clock() - cpu_start)
-        baseline = dev.util_timeline.newest_us == 0
+        baseline = not dev.util_timeline.primed
         read = integrate(((s[0], s[1], s[2]) for s in samples), dev.util_timeline)
         fresh: dict[int, float] = {}
         if read.covered_s > 0:
@@ -665,7 +665,7 @@ class NvmlBackend:
         ring of 72 periods, 12 s at 1/6 s), so one call collects all since the last: the reads
         of all GPUs together may cost at most `util_cpu_budget_ratio` of a core, never more than
         MAX_UTIL_READ_GAP_S apart (half the ring). Memory and process lists stay every sweep."""
-        dev.util_call_cpu_s = call_cpu_s if dev.util_call_cpu_s == 0.0 else 0.8 * dev.util_call_cpu_s + 0.2 * call_cpu_s
+        dev.util_call_cpu_s = call_cpu_s if dev.util_call_cpu_s == 0.0 else 0.5 * (dev.util_call_cpu_s + call_cpu_s)
         if self._util_cpu_budget_ratio <= 0:
             return
         all_devices_cpu_s = dev.util_call_cpu_s * max(1, len(self._devices))

@@ -10,14 +10,15 @@ period (not the process's share of the read), and several processes can appear w
 timestamp (the fake NVML of older gpuwatch releases did that for every process).
 
 Method (README "Kernel time"): the samples of a device form one timeline; each distinct
-timestamp stands for the period since the device's previous timestamp, at most `cap` =
-1.5 x the device's sample period (learned as the median gap between its consecutive samples;
-1/6 s before any gap is seen -- NVML documents a sample period between 1/6 s and 1 s), so a
-sample after an idle stretch covers its own period, not the idle time before it. A process's GPU
+timestamp stands for the period since the device's previous timestamp, at most 1.1 x the
+device's sample period (learned as the median gap between its consecutive samples; 1/6 s before
+any gap is seen -- NVML documents a sample period between 1/6 s and 1 s), so a sample after an
+idle stretch covers its own period (with 10 % for timing jitter), not the idle time before it. A process's GPU
 seconds are the sum of smUtil x covered period over its samples; a process without a sample
 in a period ran 0 in it. The samples of one period never add up to more than the period. The
 first read of a device is a baseline: it learns the timeline and charges nothing (the ring
-holds seconds of history from before the reader started).
+holds seconds of history from before the reader started); when it finds no samples at all (an
+idle GPU), every sample after it is new and charged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_SAMPLE_PERIOD_US = 166_667  # NVML: "between 1 second and 1/6 second depending on the product"
-CAP_PERIODS = 1.5  # a sample covers at most this many sample periods
+CAP_PERIODS = 1.1  # a sample covers at most its own period (+10 % for the driver's timing jitter)
 GAPS_KEPT = 16  # recent gaps the period is learned from
 
 
@@ -36,8 +37,9 @@ GAPS_KEPT = 16  # recent gaps the period is learned from
 class SampleTimeline:
     """Per-device state between reads: the newest timestamp charged and recent gaps."""
 
-    newest_us: int = 0  # 0: no read yet (the next read is the baseline)
+    newest_us: int = 0  # the newest sample timestamp charged (0: none yet)
     gaps_us: deque[int] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))
+    primed: bool = False  # a read happened: later samples are new (the first read is the baseline)
 
     @property
     def period_us(self) -> int:
@@ -66,9 +68,10 @@ def integrate(samples: Iterable[tuple[int, int, int]], timeline: SampleTimeline)
         if timestamp_us > timeline.newest_us:
             period = by_time.setdefault(timestamp_us, {})
             period[pid] = max(period.get(pid, 0), min(max(sm_percent, 0), 100))
+    baseline = not timeline.primed
+    timeline.primed = True  # a first read without samples (an idle GPU: NOT_FOUND) is the baseline too
     if not by_time:
         return SampleRead({}, 0.0)
-    baseline = timeline.newest_us == 0
     previous = timeline.newest_us
     seconds: dict[int, float] = {}
     covered_us = 0

@@ -53,8 +53,8 @@ def test_an_intermittent_process_is_charged_only_for_its_periods() -> None:
     """The old average-and-hold method charged this one its 100 % for the whole second."""
     timeline = _primed()
     read = integrate(_stream([(5, 100), None, None, None, None, None, (5, 100)]), timeline)
-    # the second sample follows 5 idle periods: it covers at most 1.5 periods, not 6
-    assert read.seconds_by_pid[5] == pytest.approx((P + 1.5 * P) / 1e6)
+    # the second sample follows 5 idle periods: it covers its own period (+10 % jitter), not 6
+    assert read.seconds_by_pid[5] == pytest.approx((P + 1.1 * P) / 1e6)
 
 
 def test_a_process_that_appears_mid_stream_and_one_that_exits() -> None:
@@ -73,6 +73,13 @@ def test_overlapping_samples_of_one_period_never_exceed_the_period() -> None:
     assert read.seconds_by_pid[2] == pytest.approx(P * 70 / 150 / 1e6)
     assert read.seconds_by_pid[3] == pytest.approx(P * 0.4 / 1e6)  # under 100 %: as sampled
     assert sum(read.seconds_by_pid.values()) <= read.covered_s + 1e-12
+
+
+def test_a_first_read_of_an_idle_gpu_is_the_baseline_and_later_samples_are_charged() -> None:
+    timeline = SampleTimeline()
+    assert integrate([], timeline).seconds_by_pid == {}  # NOT_FOUND: nothing in the ring yet
+    read = integrate(_stream([(3, 100), (3, 50)]), timeline)
+    assert read.seconds_by_pid[3] == pytest.approx((P * 1.0 + P * 0.5) / 1e6)  # first one: one period
 
 
 def test_samples_already_charged_are_not_charged_again() -> None:
