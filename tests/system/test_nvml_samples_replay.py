@@ -6,7 +6,8 @@ is then replayed through the fake NVML (`set_nvml_replay`, time-shifted to now) 
 agent's NVML backend, swept every half second in a child process (NVML state is
 process-global). Checked: the backend's kernel seconds per (GPU, pid) equal the integral of
 the recorded samples (smUtil x the sample period, over the samples after the backend's
-baseline read -- its first read of a device charges nothing -- up to its last read), and the
+baseline read -- its first read of a device charges nothing; here the GPUs are still idle then,
+so every replayed sample counts -- up to its last read), and the
 replayed process lists name the recorded pids. The recording itself is checked for the
 real driver's shape: samples only for the periods a process ran, overlapping timestamps
 on the shared GPU, lastSeen advancing, NOT_FOUND before any kernel ran.
@@ -39,7 +40,7 @@ import json, sys, time
 from gpuwatch.gpu.nvml import NvmlBackend
 library, until = sys.argv[1], float(sys.argv[2])
 backend = NvmlBackend(library_path=library)
-seconds, listed, baseline = {}, {}, {}
+seconds, listed, baseline = {}, {}, None
 while time.time() < until:
     sweep = backend.sweep()
     for p in sweep.processes:
@@ -47,9 +48,8 @@ while time.time() < until:
         seconds[key] = seconds.get(key, 0.0) + (p.kernel_seconds or 0.0)
         if p.memory_bytes is not None:
             listed[key] = p.memory_bytes
-    for d in backend._devices:  # the timeline's newest charged timestamp (private: a test probe)
-        if d.util_timeline.newest_us and d.index not in baseline:
-            baseline[d.index] = d.util_timeline.newest_us
+    if baseline is None:  # after the first (baseline) read: the newest timestamp it saw (private probe)
+        baseline = {d.index: d.util_timeline.newest_us for d in backend._devices}
     time.sleep(0.5)
 final = {d.index: d.util_timeline.newest_us for d in backend._devices}
 print(json.dumps({"seconds": seconds, "listed": listed, "baseline": baseline, "final": final}))
