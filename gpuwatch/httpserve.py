@@ -25,14 +25,14 @@ idle connections closed after `idle_timeout_s`. This module adds what waitress l
   one a minute each), and a hook that tells the app's owner about requests waitress refused
   itself (`on_refused("too_large" | "bad_request" | "internal" | "busy")`).
 
-`parse_json` reads a request body with a nesting limit, so no input reaches a RecursionError.
+`parse_json` (gpuwatch.jsonbounds) reads a request body with a nesting limit, so no input reaches a
+RecursionError.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import select
 import socket
@@ -46,6 +46,10 @@ from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
+
+from gpuwatch.jsonbounds import JsonRejected, parse_json
+
+__all__ = ["BoundedServer", "ByteSemaphore", "JsonRejected", "ServerLimits", "is_loopback", "parse_json"]
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +268,42 @@ class _Server(TcpWSGIServer):
             return False
 
 
+class ByteSemaphore:
+    """Bytes of request bodies in flight, all requests together: a request holds its body's
+    length from reading it until its answer is built (the parsed body is many times the raw
+    bytes), so N concurrent large bodies cannot take the process past its memory limit; a
+    request that cannot get its bytes within `wait_s` is refused (the caller answers 503)."""
+
+    def __init__(self, total: int) -> None:
+        if total < 1:
+            raise ValueError("a byte semaphore must be >= 1")
+        self.total = total
+        self._free = total
+        self._cond = threading.Condition()
+
+    def acquire(self, count: int, wait_s: float) -> bool:
+        """Take `count` bytes (at most `total`), waiting up to `wait_s`; False when not granted."""
+        count = min(count, self.total)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._free < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._free -= count
+            return True
+
+    def release(self, count: int) -> None:
+        with self._cond:
+            self._free = min(self.total, self._free + min(count, self.total))
+            self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self.total - self._free
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """One listening socket for host:port (the first address host resolves to)."""
     infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
@@ -397,34 +437,3 @@ class BoundedServer:
             with contextlib.suppress(OSError):
                 server.close()
         server.task_dispatcher.shutdown(timeout=5)
-
-
-class JsonRejected(ValueError):
-    """A request body that is not acceptable JSON; the message says why (safe to return)."""
-
-
-def _depth_ok(value: Any, limit: int) -> bool:
-    """Nesting depth of parsed JSON within `limit` (iterative: no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
-    return True
-
-
-def parse_json(raw: bytes, max_depth: int) -> Any:
-    """A JSON body nested at most `max_depth` deep; JsonRejected (with the reason) otherwise."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise JsonRejected(f"JSON nested deeper than {max_depth}") from None
-    except (ValueError, TypeError) as err:
-        raise JsonRejected(f"body is not JSON: {str(err)[:200]}") from None
-    if not _depth_ok(value, max_depth):
-        raise JsonRejected(f"JSON nested deeper than {max_depth}")
-    return value

@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.jsonbounds import JsonRejected, parse_json
 from gpuwatch.model import (
     ContainerEnforcement,
     ContainerIdentity,
@@ -53,6 +54,8 @@ from gpuwatch.model import (
 )
 
 FORMAT = "gpuwatch.snapshot/1"
+MAX_JSON_DEPTH = 32
+"""A snapshot document is under 10 deep; deeper input is refused before it is walked."""
 
 T = TypeVar("T")
 
@@ -375,10 +378,10 @@ def loads(text: str, wall_clock: bool = False) -> Snapshot:
     from) is replaced by the document's Unix "time", for showing a saved document.
     """
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SnapshotDocError(f"snapshot document is not valid JSON: {err}",
-                               fix="produce the file with `gpuwatch top --once --json`") from err
+        data = parse_json(text, MAX_JSON_DEPTH)
+    except JsonRejected as err:  # not JSON, or nested deeper than a snapshot ever is: never a traceback
+        raise SnapshotDocError(f"snapshot document is not valid JSON ({err})",
+                               fix="produce the file with `gpuwatch top --once --json`") from None
     snapshot = snapshot_from_dict(data)
     if wall_clock and snapshot.timestamp_s < UNIX_TIME_MIN_S:
         written = parse_iso_time(data.get("time"))

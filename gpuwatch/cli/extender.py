@@ -53,7 +53,11 @@ def _size(text: str) -> int:
 @click.option("--promise-ttl", "promise_ttl_s", type=click.FloatRange(0, 600), default=10.0, show_default=True,
               help="Seconds memory promised to a just-placed pod counts until its metrics show it.")
 @click.option("--prometheus-timeout", "prometheus_timeout_s", type=click.FloatRange(0.1, 60), default=2.0,
-              show_default=True, help="Seconds per Prometheus query (keep below kube-scheduler's httpTimeout).")
+              show_default=True, help="Seconds for one batch of Prometheus queries, from connecting to the last byte "
+                                      "(keep below kube-scheduler's httpTimeout).")
+@click.option("--prometheus-max-bytes", default="32Mi", show_default=True, metavar="SIZE",
+              help="Largest Prometheus answer read (a batch's answers together: twice this); 1,000 nodes' "
+                   "largest is ~10 MiB.")
 @click.option("--cache", "cache_s", type=click.FloatRange(0, 60), default=1.0, show_default=True,
               help="Seconds one batch of Prometheus answers is reused (one scheduling cycle).")
 @click.option("--threads", type=click.IntRange(1, 64), default=8, show_default=True,
@@ -62,8 +66,8 @@ def _size(text: str) -> int:
               help="Largest request body (full Node lists of big clusters are large; nodeCacheCapable is small).")
 @click.option("-v", "--verbose", count=True, help="-v info (default), -vv debug: per-node reasoning.")
 def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, memory_margin: str,
-             max_data_age_s: float, promise_ttl_s: float, prometheus_timeout_s: float, cache_s: float,
-             threads: int, max_request_bytes: str, verbose: int) -> None:
+             max_data_age_s: float, promise_ttl_s: float, prometheus_timeout_s: float,
+             prometheus_max_bytes: str, cache_s: float, threads: int, max_request_bytes: str, verbose: int) -> None:
     """Run a kube-scheduler extender (filter + prioritize verbs) until SIGTERM.
 
     \b
@@ -95,7 +99,7 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
     # a view is refreshed in the background once older than --cache, and served meanwhile
     # while its data is within --max-data-age (the bound filter enforces anyway)
     cluster = PrometheusCluster(prometheus_url, timeout_s=prometheus_timeout_s, cache_s=cache_s,
-                                revalidate_s=max_data_age_s)
+                                revalidate_s=max_data_age_s, max_bytes=_size(prometheus_max_bytes))
     cluster.warm()  # the worker process that parses Prometheus' answers, before the first request
     promises = Promises(ttl_s=promise_ttl_s)
     service = Extender(cluster, PlacementConfig(policy=policy, margin_bytes=_size(memory_margin),
@@ -123,5 +127,5 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
     try:
         stop.wait()
     finally:
+        cluster.close()  # first: requests waiting on a refresh get their error now, not after it
         server.stop()
-        cluster.close()

@@ -1,13 +1,17 @@
 """A small reader of Prometheus' HTTP API: one batch of instant queries per cycle, cached.
 
 The Prometheus query API is plain JSON over HTTP (``POST /api/v1/query`` with a
-form-encoded ``query``), so this is urllib3 and ``json``, not a Prometheus client library
+form-encoded ``query``), so this is `gpuwatch.httpclient` (bounded: every answer streamed
+under a byte cap and one deadline, JSON under a depth limit), not a Prometheus client library
 (those pull pandas and matplotlib). One `PrometheusReader` serves one consumer process
 (the scheduler extender, `gpuwatch top --prometheus`):
 
 * `query_batch({name: promql})` runs every query of one cycle concurrently on a small
-  thread pool, each bounded by ``timeout_s`` (client side, and Prometheus' own ``timeout``
-  parameter so the server stops evaluating too), and returns ``{name: [Sample, ...]}``.
+  thread pool, the whole batch bounded by ``timeout_s`` (client side, from connect to the
+  last byte of every answer, and Prometheus' own ``timeout`` parameter so the server stops
+  evaluating too),
+  each answer by ``max_bytes`` and the batch's answers together by ``2 * max_bytes``, and
+  returns ``{name: [Sample, ...]}``.
 * The whole batch result is cached for ``cache_s``: the same query set asked again within
   that time costs no HTTP at all. Concurrent callers during a refresh wait for that one
   refresh. A failed batch is remembered for ``cache_s`` too, so N callers waiting on a
@@ -22,31 +26,32 @@ Counters (``queries_total``, ``errors_total``, ``batches_total``, ``cache_hits_t
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
-
-import urllib3
-from urllib3.exceptions import HTTPError, NewConnectionError
-from urllib3.exceptions import TimeoutError as Urllib3Timeout
+from urllib.parse import urlencode, urlsplit
 
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.httpclient import (
+    DEFAULT_MAX_BYTES,
+    BoundedHttpClient,
+    ByteBudget,
+    HttpBadAnswer,
+    HttpTimeout,
+    HttpTooLarge,
+    HttpUnreachable,
+)
 
 MAX_WORKERS = 8
 """Queries in flight at once. A cycle's batch is ~20 queries; Prometheus evaluates each on
 its own goroutine, so a few parallel requests cut the batch's wall time without flooding it."""
 
-_CONNECTION_PREFIX = re.compile(r"^(<[^>]*>|HTTPS?Connection(Pool)?\([^)]*\)): ")
-
-ERROR_BODY_CHARS = 300
-"""How much of a non-JSON answer an error message quotes."""
+MAX_JSON_DEPTH = 16
+"""Prometheus' query answers are 5 deep."""
 
 
 class Sample(NamedTuple):
@@ -94,6 +99,8 @@ FIX_URL = ("check that Prometheus runs and the URL (scheme, host, port, path pre
            "e.g. http://prometheus.monitoring:9090")
 FIX_SLOW = "Prometheus is overloaded or far away: raise the timeout, or check its query latency"
 FIX_QUERY = "check the Prometheus version (2.x API) and that the gpuwatch queries are valid PromQL there"
+FIX_TOO_LARGE = ("the answer is larger than --prometheus-max-bytes: raise it for a very large cluster, or "
+                 "check that the URL is Prometheus itself")
 FIX_NOT_API = ("the URL does not answer like the Prometheus HTTP API: point it at Prometheus itself "
                "(not Grafana or a login proxy), including any --web.route-prefix")
 
@@ -118,7 +125,7 @@ class PrometheusReader:
 
     def __init__(self, url: str, timeout_s: float = 2.0, cache_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, headers: Mapping[str, str] | None = None,
-                 max_workers: int = MAX_WORKERS) -> None:
+                 max_workers: int = MAX_WORKERS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise PrometheusError(f"Prometheus URL {url!r} is not an http(s) URL",
@@ -129,12 +136,11 @@ class PrometheusReader:
         self.timeout_s = timeout_s
         self.cache_s = cache_s
         self._clock = clock
-        self._query_url = self.url + "/api/v1/query"
+        self.max_bytes = max_bytes
         self._max_workers = max(1, max_workers)
-        self._http = urllib3.PoolManager(
-            num_pools=2, maxsize=self._max_workers, block=False, retries=False,
-            timeout=urllib3.Timeout(total=timeout_s, connect=timeout_s, read=timeout_s),
-            headers={"Accept": "application/json", **(headers or {})})
+        self._http = BoundedHttpClient(self.url, timeout_s, max_bytes=max_bytes, max_depth=MAX_JSON_DEPTH,
+                                       headers={"Accept": "application/json", **(headers or {})},
+                                       pool_size=self._max_workers)
         self._pool: ThreadPoolExecutor | None = None
         self._refresh = threading.Lock()  # one batch in flight; waiters then read its outcome
         self._counts = threading.Lock()
@@ -179,7 +185,7 @@ class PrometheusReader:
 
     def query(self, promql: str) -> list[Sample]:
         """One instant query, uncached (errors name the query by its first 60 characters)."""
-        return self._query_one(repr(promql[:60]), promql)
+        return self._query_one(repr(promql[:60]), promql, None, None)
 
     def close(self) -> None:
         """Release the worker threads and the pooled connections. Idempotent."""
@@ -188,7 +194,7 @@ class PrometheusReader:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.clear()
+        self._http.close()
 
     def __enter__(self) -> PrometheusReader:
         return self
@@ -206,8 +212,11 @@ class PrometheusReader:
                                   url=self.url)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="gpuwatch-prom")
+        budget = ByteBudget(2 * self.max_bytes)  # the batch's answers are all held until parsed
+        deadline = time.monotonic() + self.timeout_s  # one deadline for the batch, queued queries included
         futures: dict[Future[list[Sample]], str] = {
-            self._pool.submit(self._query_one, name, promql): name for name, promql in queries.items()}
+            self._pool.submit(self._query_one, name, promql, budget, deadline): name
+            for name, promql in queries.items()}
         _, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
             future.cancel()  # not started yet: the batch has failed already
@@ -230,61 +239,64 @@ class PrometheusReader:
             if error:
                 self.errors_total += 1
 
-    def _query_one(self, name: str, promql: str) -> list[Sample]:
+    def _query_one(self, name: str, promql: str, budget: ByteBudget | None,
+                   deadline: float | None) -> list[Sample]:
         try:
-            samples = self._post(name, promql)
+            samples = self._post(name, promql, budget, deadline)
         except PrometheusError:
             self._count(error=True)
             raise
         self._count(error=False)
         return samples
 
-    def _post(self, name: str, promql: str) -> list[Sample]:
+    def _post(self, name: str, promql: str, budget: ByteBudget | None, deadline: float | None) -> list[Sample]:
         fields = {"query": promql, "timeout": f"{max(1, round(self.timeout_s * 1000))}ms"}
+        body = urlencode(fields).encode()
         try:
-            response = self._http.request("POST", self._query_url, fields=fields, encode_multipart=False)
-        except NewConnectionError as err:  # refused, DNS (a ConnectTimeoutError subclass in urllib3 2)
-            raise PrometheusUnreachable(f"Prometheus at {self.url} unreachable: {_reason(err)}",
-                                        fix=FIX_URL, url=self.url, query=name) from err
-        except Urllib3Timeout as err:
+            answer = self._http.request("POST", "/api/v1/query", body,
+                                        {"Content-Type": "application/x-www-form-urlencoded"}, budget=budget,
+                                        deadline=deadline)
+        except HttpTimeout as err:
             raise PrometheusTimeout(
-                f"Prometheus at {self.url} did not answer query {name} within {self.timeout_s:g}s ({err})",
+                f"Prometheus at {self.url} did not answer query {name} within {self.timeout_s:g}s",
                 fix=FIX_SLOW, url=self.url, query=name) from err
-        except HTTPError as err:
+        except HttpTooLarge as err:
+            raise PrometheusResponseError(f"Prometheus at {self.url} answered query {name} with too much: "
+                                          f"{_after_url(err)}", fix=FIX_TOO_LARGE, url=self.url, query=name) from err
+        except HttpBadAnswer as err:
+            raise PrometheusResponseError(f"Prometheus at {self.url} answered query {name}: {_after_url(err)}",
+                                          fix=FIX_NOT_API, url=self.url, query=name) from err
+        except HttpUnreachable as err:
             raise PrometheusUnreachable(f"Prometheus at {self.url} unreachable: {_reason(err)}",
                                         fix=FIX_URL, url=self.url, query=name) from err
-        body = _decode(response.data)
-        if body is None:
-            snippet = response.data[:ERROR_BODY_CHARS].decode("utf-8", "replace").strip()
+        why = "not an object"
+        try:
+            document = self._http.decode(answer, self.url + "/api/v1/query")
+        except HttpBadAnswer as err:
+            document, why = None, str(err.__cause__ or "") or "not JSON"
+        body_doc = document if isinstance(document, dict) else None
+        if body_doc is None:
             raise PrometheusResponseError(
-                f"Prometheus at {self.url} answered query {name} with HTTP {response.status} and "
-                f"non-JSON ({response.headers.get('Content-Type', 'no content type')}): {snippet!r}",
+                f"Prometheus at {self.url} answered query {name} with HTTP {answer.status} and "
+                f"non-JSON ({answer.headers.get('content-type', 'no content type')}; {why}): {answer.snippet()!r}",
                 fix=FIX_NOT_API, url=self.url, query=name)
-        if body.get("status") == "error" or response.status != 200:
-            api_error = body.get("error") or f"HTTP {response.status}"
-            error_type = body.get("errorType")
-            kind = f" ({error_type})" if error_type else ""
+        if body_doc.get("status") == "error" or answer.status != 200:
+            api_error = str(body_doc.get("error") or f"HTTP {answer.status}")[:300]
+            error_type = body_doc.get("errorType")
+            kind = f" ({str(error_type)[:40]})" if error_type else ""
             fix = FIX_SLOW if error_type in ("timeout", "canceled", "unavailable") else FIX_QUERY
-            if body.get("status") != "error":
+            if body_doc.get("status") != "error":
                 raise PrometheusResponseError(
-                    f"Prometheus at {self.url} answered query {name} with HTTP {response.status}",
+                    f"Prometheus at {self.url} answered query {name} with HTTP {answer.status}",
                     fix=FIX_NOT_API, url=self.url, query=name)
             raise PrometheusQueryError(f"query {name} failed at Prometheus {self.url}{kind}: {api_error}",
                                        fix=fix, url=self.url, query=name)
         try:
-            return _samples(body["data"])
+            return _samples(body_doc["data"])
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise PrometheusResponseError(
-                f"Prometheus at {self.url} answered query {name} with an unexpected document: {err!r}",
+                f"Prometheus at {self.url} answered query {name} with an unexpected document: {str(err)[:200]}",
                 fix=FIX_NOT_API, url=self.url, query=name) from err
-
-
-def _decode(data: bytes) -> dict[str, Any] | None:
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
 
 
 def _samples(data: dict[str, Any]) -> list[Sample]:
@@ -298,10 +310,14 @@ def _samples(data: dict[str, Any]) -> list[Sample]:
     raise ValueError(f"resultType {kind!r}: the cluster queries are instant vectors (no range selectors)")
 
 
-def _reason(err: HTTPError) -> str:
-    """The innermost cause of a urllib3 error, in a few words ("Connection refused")."""
-    reason = getattr(err, "reason", None)
-    if isinstance(reason, BaseException):
-        err = reason  # type: ignore[assignment]
-    # urllib3 prefixes messages with the connection object ("HTTPConnection(host=.., port=..): ")
-    return _CONNECTION_PREFIX.sub("", str(err))
+def _after_url(err: HttpTooLarge | HttpBadAnswer) -> str:
+    """The client's message without its leading URL (the caller names Prometheus itself)."""
+    text = str(err)
+    return text[len(err.url):].lstrip(": ") if text.startswith(err.url) else text
+
+
+def _reason(err: HttpUnreachable) -> str:
+    """The cause of an unreachable server, in a few words ("Connection refused")."""
+    text = str(err)
+    marker = " unreachable: "
+    return text.split(marker, 1)[1] if marker in text else text

@@ -23,6 +23,7 @@ from gpuwatch.cluster.state import (
     static_facts,
     static_queries,
 )
+from gpuwatch.httpclient import DEFAULT_MAX_BYTES
 
 
 @dataclass
@@ -35,10 +36,11 @@ class _Worker:
 _worker: _Worker | None = None
 
 
-def init_worker(url: str, timeout_s: float) -> None:
-    """Process initializer: one pooled reader for the life of the worker."""
+def init_worker(url: str, timeout_s: float, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Process initializer: one pooled reader for the life of the worker (answers bounded by
+    `max_bytes` each, 2 x `max_bytes` a batch, `timeout_s` each from connect to last byte)."""
     global _worker
-    _worker = _Worker(PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0))
+    _worker = _Worker(PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0, max_bytes=max_bytes))
 
 
 def ping() -> bool:

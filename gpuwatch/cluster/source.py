@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from gpuwatch.cluster import refresher
 from gpuwatch.cluster.model import ClusterState
 from gpuwatch.cluster.prometheus import PrometheusError, PrometheusTimeout
+from gpuwatch.httpclient import DEFAULT_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,11 @@ class PrometheusCluster:
 
     def __init__(self, url: str, timeout_s: float = 2.0, cache_s: float = 1.0, revalidate_s: float = 10.0,
                  static_every_s: float = 60.0, *, worker_process: bool = True,
-                 wall_clock: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic) -> None:
+                 wall_clock: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
         self.cache_s = cache_s
         self.revalidate_s = max(revalidate_s, cache_s)
         self.static_every_s = static_every_s
@@ -48,7 +51,7 @@ class PrometheusCluster:
         self._worker_process = worker_process
         self._pool: ProcessPoolExecutor | None = None
         if not worker_process:
-            refresher.init_worker(url, timeout_s)
+            refresher.init_worker(url, timeout_s, max_bytes)
         self._lock = threading.Lock()  # guards the fields below
         self._sync = threading.Lock()  # one synchronous refresh at a time
         self._state: ClusterState | None = None
@@ -88,13 +91,22 @@ class PrometheusCluster:
     def _pool_or_new(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=refresher.init_worker, initargs=(self.url, self.timeout_s))
+                                             initializer=refresher.init_worker,
+                                             initargs=(self.url, self.timeout_s, self.max_bytes))
         return self._pool
 
     def close(self) -> None:
+        """Stop the worker process now (SIGTERM must end the extender within 2 s): a refresh
+        in flight is abandoned, its waiters get an error at once, and the interpreter's exit
+        does not wait for the worker to finish reading a slow answer."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            pool, self._pool = self._pool, None
+            processes = list(getattr(pool, "_processes", {}).values())  # no public handle on them
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.join(1.0)
         if not self._worker_process:
             refresher.close_worker()
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.httpclient import DEFAULT_MAX_BYTES, BoundedHttpClient, HttpClientError
 from gpuwatch.model import Snapshot
-from gpuwatch.snapshot_doc import SnapshotDocError, loads
+from gpuwatch.snapshot_doc import MAX_JSON_DEPTH, SnapshotDocError, loads
 
 
 class SnapshotSource(Protocol):
@@ -84,24 +85,35 @@ class AgentSource:
 
     `gpuwatch top --agent http://127.0.0.1:9400` shows exactly what the agent exports,
     e.g. from inside the agent's pod. The document's monotonic timestamp is replaced by
-    its wall time, since the agent's clock origin means nothing here.
+    its wall time, since the agent's clock origin means nothing here. The answer is read
+    through gpuwatch.httpclient: at most `max_bytes`, within `timeout_s` from connect to
+    the last byte, nested at most snapshot_doc.MAX_JSON_DEPTH deep -- a server that never
+    stops answering costs a bounded amount, never the terminal's memory.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 5.0, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.url = base_url.rstrip("/") + "/snapshot.json"
         self.timeout_s = timeout_s
+        try:
+            self._http = BoundedHttpClient(base_url, timeout_s, max_bytes=max_bytes, max_depth=MAX_JSON_DEPTH,
+                                           pool_size=1)
+        except ValueError as err:
+            raise GpuwatchError(f"--agent {base_url!r}: {err}", fix="pass the agent's URL, e.g. "
+                                "http://127.0.0.1:9400") from None
 
     def next_snapshot(self) -> Snapshot:
-        import urllib.error
-        import urllib.request
-
+        fix = "check the agent runs and --agent points at its --listen address"
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
-                text = resp.read().decode("utf-8")
-        except (urllib.error.URLError, OSError, UnicodeDecodeError) as err:
-            raise GpuwatchError(f"cannot read {self.url}: {err}",
-                                fix="check the agent runs and --agent points at its --listen address") from err
+            answer = self._http.request("GET", "/snapshot.json", headers={"Accept": "application/json"})
+        except HttpClientError as err:
+            raise GpuwatchError(f"cannot read the agent's snapshot: {err}", fix=fix) from None
+        if answer.status != 200:
+            raise GpuwatchError(f"cannot read {self.url}: HTTP {answer.status}: {answer.snippet()!r}", fix=fix)
+        try:
+            text = answer.body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GpuwatchError(f"cannot read {self.url}: not UTF-8 ({err.reason})", fix=fix) from None
         return loads(text, wall_clock=True)
 
     def close(self) -> None:
-        return None
+        self._http.close()
