@@ -48,7 +48,7 @@ from gpuwatch.enforce.policy_reload import PolicyLoad, PolicyStat, policy_stat
 from gpuwatch.enforce.probe_events import convert_events
 from gpuwatch.enforce.recovery import RecoveryMetrics
 from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
-from gpuwatch.enforce.webhook_requests import decide_webhook
+from gpuwatch.enforce.webhook_requests import RepeatGate, decide_webhook
 from gpuwatch.errors import EnforcementError
 from gpuwatch.model import ContainerEnforcement, ContainerIdentity, Snapshot
 from gpuwatch.policy.crosscheck import ProbeNvmlCrossCheck
@@ -177,6 +177,7 @@ class Enforcer:
         self._identities: dict[str, ContainerIdentity] = {}
         self._closed = False
         self._webhook_times: list[float] = []
+        self._webhook_repeats = RepeatGate()  # identical alert actions within a minute: acted on once
         self.sharing = SharingLedger()
         self.node_listing = NodeListing(node_containers, node_scan_s)
         self.last_exclusive = ExclusivePlan()
@@ -750,6 +751,11 @@ class Enforcer:
                 log.warning("webhook %s: %s", request.alert_name, verdict.reason)
                 return f"ignored: {verdict.reason}"
             decision = verdict.decision
+            self._audit_webhook_repeats()
+            key = (decision.verb, bool(request.firing), decision.rule, decision.target.key)
+            if not self._webhook_repeats.admit(key, decision):
+                return f"duplicate: {request.alert_name} {decision.verb.value} on {decision.target.key} was " \
+                       f"handled less than {self._webhook_repeats.window_s:.0f} s ago"
             now = time.monotonic()
             self._webhook_times = [t for t in self._webhook_times if now - t < 60.0]
             if decision.verb.disruptive and not decision.suppressed:
@@ -759,6 +765,16 @@ class Enforcer:
                     self._webhook_times.append(now)
             result = self._carry_out(decision)
         return f"{result.status.value}: {result.detail}"
+
+    def _audit_webhook_repeats(self) -> None:
+        """One audit record per alert action whose repeats were folded, with their count."""
+        for _, repeats, payload in self._webhook_repeats.expired():
+            if isinstance(payload, Decision):
+                self.audit.record_event(
+                    payload.target, event="webhook-repeats", rule=payload.rule, scope=payload.scope,
+                    reason=f"{repeats} identical alert action(s) within {self._webhook_repeats.window_s:.0f} s "
+                           "after this one were not acted on again", action=payload.verb.value,
+                    result="deduplicated", measured={"repeats": float(repeats)}, dry_run=self.dry_run)
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -250,6 +250,10 @@ def _view_families(enforcement: tuple[ContainerEnforcement, ...]) -> Iterator[Me
 WEBHOOK_RESULTS = ("ok", "unauthorized", "rejected", "too_large", "rate_limited")
 
 
+WEBHOOK_OUTCOMES = (("ignored: no container", "no_target"), ("ignored: ambiguous target", "ambiguous_target"),
+                    ("duplicate", "duplicate"))
+
+
 class WebhookMetrics(Collector):
     """The Alertmanager webhook's requests by result (every request counts once:
     ok | unauthorized | rejected | too_large | rate_limited) and the alerts it read."""
@@ -270,6 +274,16 @@ class WebhookMetrics(Collector):
             self.alerts["accepted"] += accepted
             self.alerts["rejected"] += rejected
 
+    def count_outcomes(self, results: Iterable[str]) -> None:
+        """What the enforcer said of accepted alerts: targets matching no container or
+        several, and repeats folded into an earlier identical action."""
+        for text in results:
+            for prefix, result in WEBHOOK_OUTCOMES:
+                if text.startswith(prefix):
+                    with self._lock:
+                        self.alerts[result] += 1
+                    break
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             requests, alerts = dict(self.requests), dict(self.alerts)
@@ -286,9 +300,10 @@ class WebhookMetrics(Collector):
         fam = CounterMetricFamily(
             "gpuwatch_webhook_alerts",
             "Alerts in authenticated webhook requests: accepted (handed to the enforcer) or rejected "
-            "(malformed, no target, unknown action, over the per-request cap).",
+            "(malformed, no target, unknown action, over the per-request cap); of the accepted: "
+            "no_target (names no live container), ambiguous_target (several), duplicate (repeated).",
             labels=["result"],
         )
-        for result in ("accepted", "rejected"):
+        for result in ("accepted", "rejected", *(r for _, r in WEBHOOK_OUTCOMES)):
             fam.add_metric([result], alerts.get(result, 0))
         yield fam

@@ -15,6 +15,10 @@ This is the agent's only *acting* endpoint, so it is locked down by default:
   webhook_config to match), label values must be strings, target labels must look like
   Kubernetes names or container ids, a malformed alert is rejected with a reason and never
   turns into an action;
+* targets match exactly (gpuwatch.enforce.webhook_requests.find_target): a target naming no
+  container or several is refused and counted (gpuwatch_webhook_alerts_total{result="no_target"
+  | "ambiguous_target"}); identical alert actions repeated within a minute are acted on and
+  audited once ("duplicate", counted, one audit record with the count when the window ends);
 * every request is logged once, as one summary line (values truncated, control characters
   escaped, so an alertname cannot forge log lines); refused requests (unauthorized,
   rejected, too large, rate limited) are logged at most once per LOG_INTERVAL_S per kind,
@@ -59,7 +63,7 @@ LOG_VALUE_CHARS = 80  # a label value in a log line
 LOG_INTERVAL_S = 10.0  # refused requests: one log line per kind per interval
 ALERT_NAME_CHARS = 128
 ACTIONS = frozenset({"alert", "pause", "resume", "throttle", "checkpoint_kill", "kill"})
-TARGET_LABELS = ("namespace", "pod", "container", "container_id")
+TARGET_LABELS = ("namespace", "pod", "pod_uid", "container", "container_id")
 # Kubernetes names (DNS labels/subdomains) and container ids (hex, or runtime://hex)
 _TARGET_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,252}")
 WEBHOOK_LIMITS = ServerLimits(threads=2, connection_limit=64, backlog=64, idle_timeout_s=30,
@@ -120,8 +124,8 @@ def _parse_alert(i: int, alert: Any) -> WebhookRequest | str:
     for key, value in target.items():
         if not _TARGET_VALUE.fullmatch(value):
             return f"{name}: label {key} {loggable(value, 40)!r} is not a Kubernetes name or container id"
-    if not (target.get("container_id") or (target.get("namespace") and target.get("pod"))):
-        return f"{name}: no target: needs container_id, or namespace and pod labels"
+    if not (target.get("container_id") or target.get("pod_uid") or (target.get("namespace") and target.get("pod"))):
+        return f"{name}: no target: needs container_id, pod_uid, or namespace and pod labels"
     return WebhookRequest(
         action=action,
         firing=status == "firing",
@@ -298,9 +302,11 @@ class WebhookServer:
         self._http.stop()
 
     def authorized(self, header: str | None) -> bool:
-        if not header or not header.startswith("Bearer "):
+        """`Authorization: Bearer <token>`; the scheme is case-insensitive (RFC 7235 2.1)."""
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
             return False
-        return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self._token)
+        return hmac.compare_digest(credentials.strip().encode(), self._token)
 
     # -- requests ------------------------------------------------------------------------
     def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -344,6 +350,7 @@ class WebhookServer:
                    for req in parsed.requests]
         self.metrics.count_request("ok")
         self.metrics.count_alerts(len(parsed.requests), len(parsed.rejected))
+        self.metrics.count_outcomes(r["result"] for r in results)
         self._summary(client, parsed, results)
         return self._reply(start_response, 200, {"results": results, "rejected": list(parsed.rejected)})
 
