@@ -4,9 +4,11 @@ The sampler calls `SignalCollector.collect()` after attribution, with what it al
 (this sweep's devices and topology, the per-container usages, the pid identities), so no
 source reads /proc or NVML a second time. Per cycle:
 * the kernel log is polled (non-blocking, bounded) for Xid lines; each Xid is put on its
-  GPU by PCI address and on the container of the pid it names -- from this cycle's
-  identities, or the last cycle's (the process an Xid killed is often gone already), or a
-  fresh lookup; Xids whose process cannot be found are counted as unattributed;
+  GPU by PCI address (an address no GPU has is counted, never a GPU's) and on the
+  container of the pid it names -- only when that pid had that GPU open this cycle or the
+  last (the process an Xid killed is often gone already), and only when the record is at
+  most `xid_max_age_s` old (after a flood the pid may have been reused): otherwise the Xid
+  counts for the GPU's health and as unattributed (`xid_unattributed`, `xid_stale`);
 * the health tracker turns the devices plus the kernel-log Xids into verdicts;
 * the network reader reads the node's NICs (without pods' veths, bridges and tunnels:
   `nic_exclude`), RDMA ports and the network namespaces of the containers that use a GPU
@@ -78,7 +80,7 @@ class SignalCollector:
     def __init__(self, health: HealthTracker | None = None, kmsg: KmsgReader | None = None,
                  network: NetworkSource | None = None, *, xid_retention_s: float = 3600.0,
                  max_xid_series: int = 1024, clock: Callable[[], float] = time.monotonic,
-                 nic_exclude: str | None = DEFAULT_NIC_EXCLUDE) -> None:
+                 nic_exclude: str | None = DEFAULT_NIC_EXCLUDE, xid_max_age_s: float = 30.0) -> None:
         self.health = health or HealthTracker()
         self.kmsg = kmsg
         self.network = network
@@ -91,6 +93,9 @@ class SignalCollector:
         self._xid_view: tuple[ContainerXid, ...] | None = ()  # None: rebuild
         self._xid_expire_at_s: float | None = None
         self._previous_identities: Mapping[int, ProcessIdentity] = {}
+        self._previous_gpus: dict[int, set[int]] = {}  # pid -> GPU indexes it had open last cycle
+        self._xid_max_age_s = xid_max_age_s
+        self.xid_stale_total = 0
         self._topology: GpuTopology | None = None
         self.xid_unattributed_total = 0
         self.xid_unknown_gpu_total = 0
@@ -110,10 +115,12 @@ class SignalCollector:
             self._topology = topology
         records = self.kmsg.poll() if self.kmsg is not None else []
         known = devices if devices is not None else self.health.last_devices()
-        kernel_xids = self._attribute_xids(records, known, identities, resolve, now_s)
+        gpus = _gpus_by_pid(containers)
+        kernel_xids = self._attribute_xids(records, known, identities, resolve, now_s, gpus)
         health = self.health.update(devices, kernel_xids)
         self._expire_xids(containers, now_s)
         self._previous_identities = identities
+        self._previous_gpus = gpus
         nics: tuple[NicStats, ...] = ()
         rdma: tuple[RdmaPort, ...] = ()
         networks: tuple[ContainerNetwork, ...] = ()
@@ -135,7 +142,7 @@ class SignalCollector:
     def _attribute_xids(self, records: Sequence[XidRecord], devices: Sequence[DeviceInfo],
                         identities: Mapping[int, ProcessIdentity],
                         resolve: Callable[[int], ProcessIdentity | None] | None,
-                        now_s: float) -> list[tuple[int, int]]:
+                        now_s: float, gpus: Mapping[int, set[int]]) -> list[tuple[int, int]]:
         if not records:
             return []
         by_pci = {pci_address(d.pci_bus_id): d.index for d in devices if not d.is_mig}
@@ -148,6 +155,12 @@ class SignalCollector:
             found.append((gpu, record.xid))
             if record.pid is None:
                 continue  # the driver did not know the process: GPU-level only
+            if record.age_s is not None and record.age_s > self._xid_max_age_s:
+                self.xid_stale_total += 1  # read long after it was logged: the pid may be another process now
+                continue
+            if gpu not in gpus.get(record.pid, ()) and gpu not in self._previous_gpus.get(record.pid, ()):
+                self.xid_unattributed_total += 1  # that pid did not use that GPU: never charge it
+                continue
             process = identities.get(record.pid) or self._previous_identities.get(record.pid)
             if process is None and resolve is not None:
                 process = resolve(record.pid)
@@ -213,10 +226,21 @@ class SignalCollector:
         if self.kmsg is not None:
             errors += [("kmsg", self.kmsg.errors_total), ("kmsg_lost_records", self.kmsg.lost_records_total)]
         errors += [("xid_unattributed", self.xid_unattributed_total),
-                   ("xid_unknown_gpu", self.xid_unknown_gpu_total)]
+                   ("xid_unknown_gpu", self.xid_unknown_gpu_total), ("xid_stale", self.xid_stale_total)]
+        if self.kmsg is not None:
+            errors += [("kmsg_misplaced_xid", self.kmsg.misplaced_total)]
         if self.network is not None:
             errors += [(f"network_{source}", count) for source, count in sorted(self.network.errors_total.items())]
         return tuple(errors)
+
+
+def _gpus_by_pid(containers: Sequence[ContainerUsage]) -> dict[int, set[int]]:
+    """pid -> the GPU indexes it had open this cycle (NVML's per-process lists)."""
+    gpus: dict[int, set[int]] = {}
+    for usage in containers:
+        for process in usage.processes:
+            gpus.setdefault(process.pid, set()).add(usage.gpu_index)
+    return gpus
 
 
 def _network_targets(containers: Sequence[ContainerUsage]) -> list[tuple[ContainerIdentity, int]]:

@@ -24,6 +24,14 @@ NVML's Xid events carry no pid, so per-pod Xid attribution needs these lines.
 Each `poll()` reads at most `max_bytes_per_poll`, so a flood of kernel messages costs a
 bounded amount per interval (the rest is read next interval). Lines that mention an Xid
 but cannot be parsed are counted in `malformed_total`; everything else is ignored.
+
+Only lines as the driver prints them count: ``NVRM: Xid`` at the **start** of the kernel
+message (after a record prefix, a dmesg ``[ 12.345]`` stamp or a syslog ``... kernel:``
+prefix) -- anyone who can get text into the kernel log (a USB product string, a filesystem
+label) would otherwise forge Xids; such lines are counted in `misplaced_total`. The tail of
+an over-long line is discarded up to its newline, never parsed as a line of its own. Each
+record carries its age (from the record's timestamp, CLOCK_MONOTONIC like the kernel's) so
+the collector can refuse to charge an Xid read long after it was logged to a pid.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import logging
 import os
 import re
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +56,10 @@ _XID_RE = re.compile(
     r"(?:, pid=(?:(?P<pid>\d{1,10})|'?<unknown>'?))?"
     r"(?:, name=(?P<name>[^,]{0,64}))?"
 )
-_RECORD_PREFIX_RE = re.compile(r"^\d+,\d+,\d+,[^;]*;")
+_RECORD_PREFIX_RE = re.compile(r"^\d+,\d+,(?P<usec>\d+),[^;]*;")
+# where a driver line may start: a dmesg time stamp, a syslog/journal "... kernel:" prefix
+_DRIVER_START_RE = re.compile(r"^(?:\[\s*\d+\.\d+\]\s*)?(?:[A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d \S{1,64} kernel: "
+                              r"(?:\[\s*\d+\.\d+\]\s*)?)?(?=NVRM: Xid )")
 _MAX_LINE_CHARS = 8192
 
 
@@ -59,6 +71,7 @@ class XidRecord:
     xid: int
     pid: int | None  # host pid; None when the driver did not know the process
     process_name: str | None
+    age_s: float | None = field(default=None, compare=False)  # since it was logged; None: unknown
 
 
 def pci_address(bus_id: str | None) -> tuple[int, int, int] | None:
@@ -77,11 +90,16 @@ def pci_address(bus_id: str | None) -> tuple[int, int, int] | None:
 def parse_xid_line(line: str) -> XidRecord | None:
     """The Xid in one kernel-log line; None when the line is not an NVRM Xid line.
 
-    Raises ValueError for a line that says "NVRM: Xid" but does not parse.
+    Only a line that starts as the driver prints it counts (module docstring): "NVRM: Xid"
+    anywhere else in a line is not an Xid. Raises ValueError for a driver-shaped line that
+    does not parse.
     """
     if "NVRM: Xid" not in line:
         return None
-    match = _XID_RE.search(line)
+    start = _DRIVER_START_RE.match(line)
+    if start is None:
+        return None
+    match = _XID_RE.match(line, start.end())
     if match is None:
         raise ValueError(f"unparsable Xid line: {line[:200]!r}")
     pid = match.group("pid")
@@ -95,10 +113,18 @@ def parse_xid_line(line: str) -> XidRecord | None:
     )
 
 
-def _message(line: str) -> str:
-    """Strip the /dev/kmsg record prefix ("6,123,456,-;") if the line has one."""
+def _message(line: str) -> tuple[str, int | None]:
+    """(the message without its /dev/kmsg record prefix "6,123,456,-;", the record's usec)."""
     match = _RECORD_PREFIX_RE.match(line)
-    return line[match.end():] if match else line
+    if match is None:
+        return line, None
+    return line[match.end():], int(match.group("usec"))
+
+
+def misplaced(line: str) -> bool:
+    """Whether a line mentions an Xid somewhere a driver line cannot start (a forgery)."""
+    message = _message(line)[0]
+    return "NVRM: Xid" in message and _DRIVER_START_RE.match(message) is None
 
 
 class KmsgReader:
@@ -108,6 +134,7 @@ class KmsgReader:
         self.path = path
         self.max_bytes_per_poll = max_bytes_per_poll
         self.malformed_total = 0
+        self.misplaced_total = 0  # "NVRM: Xid" not where the driver prints it: not an Xid
         self.lost_records_total = 0  # /dev/kmsg records overwritten before we read them
         self.errors_total = 0
         self.last_error: str | None = None
@@ -115,6 +142,7 @@ class KmsgReader:
         self._is_device = False
         self._offset = 0
         self._partial = b""
+        self._skip_to_newline = False  # the rest of an over-long line is dropped, not parsed
         self._logged: set[str] = set()
         self._was_missing = False  # a file that appears later is read from its start
         self._open()
@@ -168,15 +196,23 @@ class KmsgReader:
                 return []
         lines = self._read_device() if self._is_device else self._read_file()
         records: list[XidRecord] = []
+        now_s = time.clock_gettime(time.CLOCK_MONOTONIC)  # the kernel's record clock
         for line in lines:
+            message, usec = _message(line)
             try:
-                record = parse_xid_line(_message(line))
+                record = parse_xid_line(message)
             except ValueError as err:
                 self.malformed_total += 1
                 self._log_once("malformed", f"kernel log: {err} (counted in gpuwatch_kmsg_malformed_lines_total)")
                 continue
-            if record is not None:
-                records.append(record)
+            if record is None:
+                if "NVRM: Xid" in message:
+                    self.misplaced_total += 1
+                continue
+            if usec is not None and usec / 1e6 <= now_s + 1.0:
+                record = XidRecord(record.pci_address, record.xid, record.pid, record.process_name,
+                                   age_s=max(0.0, now_s - usec / 1e6))
+            records.append(record)
         return records
 
     def _read_device(self) -> list[str]:
@@ -218,10 +254,16 @@ class KmsgReader:
             self.close()
             return []
         self._offset += len(data)
+        if self._skip_to_newline:  # still inside an over-long line: its tail is no line of its own
+            newline = data.find(b"\n")
+            if newline < 0:
+                return []
+            data, self._skip_to_newline = data[newline + 1:], False
         chunks = (self._partial + data).split(b"\n")
         self._partial = chunks.pop()  # an unfinished last line waits for its end
-        if len(self._partial) > _MAX_LINE_CHARS:  # a runaway line: drop it, never grow without bound
+        if len(self._partial) > _MAX_LINE_CHARS:  # a runaway line: drop it up to its newline
             self._partial = b""
+            self._skip_to_newline = True
             self.malformed_total += 1
         return [chunk.decode(errors="replace") for chunk in chunks if chunk]
 

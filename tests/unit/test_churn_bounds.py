@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,8 @@ class Clock:
 
 
 def xid_line(seq: int, pid: int) -> str:
-    return f"3,{seq},{seq * 1000},-;NVRM: Xid (PCI:0000:1b:00): 13, pid={pid}, name=w, test\n"
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)  # logged now (older records are not charged)
+    return f"3,{seq},{usec},-;NVRM: Xid (PCI:0000:1b:00): 13, pid={pid}, name=w, test\n"
 
 
 def test_xid_counters_of_gone_containers_expire_in_batches_and_are_bounded(tmp_path: Path) -> None:

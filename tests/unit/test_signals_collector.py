@@ -3,6 +3,7 @@ bounded retention of per-container Xid counters."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessIdentity, ProcessUsage
@@ -30,7 +31,8 @@ def usage(identity: ContainerIdentity, pid: int, gpu: int = 0) -> ContainerUsage
 
 def xid_line(bus: int, xid: int, pid: int | None) -> str:
     who = f"pid={pid}, name=python3" if pid is not None else "pid='<unknown>', name=<unknown>"
-    return f"3,1,1,-;NVRM: Xid (PCI:0000:{bus:02x}:00): {xid}, {who}, test\n"
+    usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)  # logged now (older records are not charged)
+    return f"3,1,{usec},-;NVRM: Xid (PCI:0000:{bus:02x}:00): {xid}, {who}, test\n"
 
 
 class Clock:
@@ -69,15 +71,17 @@ def test_a_process_that_already_exited_is_found_in_last_cycles_identities(tmp_pa
     assert [(x.identity.pod_name, x.xid) for x in signals.container_xids] == [("pod-a", 43)]
 
 
-def test_unknown_pid_uses_the_resolver_then_counts_unattributed(tmp_path: Path) -> None:
+def test_a_pid_that_did_not_use_the_gpu_is_never_charged(tmp_path: Path) -> None:
+    """Issue 20, item 3: a pid is charged only when it had that GPU open this cycle or the
+    last; a resolver finding the pid's container is not enough (the line may be forged)."""
     log = tmp_path / "kmsg"
     log.write_text("")
     collector = SignalCollector(kmsg=KmsgReader(str(log)))
     log.write_text(xid_line(0x1B, 13, 300) + xid_line(0x1B, 13, 301))
     found = {300: ProcessIdentity(300, 1, "p", POD_B)}
     signals = collector.collect(devices(), None, [], {}, resolve=found.get)
-    assert [(x.identity.pod_name, x.count) for x in signals.container_xids] == [("pod-b", 1)]
-    assert dict(signals.errors_total)["xid_unattributed"] == 1
+    assert signals.container_xids == ()
+    assert dict(signals.errors_total)["xid_unattributed"] == 2
 
 
 def test_counters_of_gone_containers_expire_and_are_bounded(tmp_path: Path) -> None:
@@ -88,7 +92,8 @@ def test_counters_of_gone_containers_expire_and_are_bounded(tmp_path: Path) -> N
     pods = [ContainerIdentity(runtime="containerd", cgroup_path=f"/p{i}", container_id=f"{i:064x}",
                               pod_name=f"p{i}") for i in range(5)]
     identities = {1000 + i: ProcessIdentity(1000 + i, 1, "p", pod) for i, pod in enumerate(pods)}
-    with log.open("a") as f:
+    collector.collect(devices(), None, [usage(pod, 1000 + i) for i, pod in enumerate(pods)], identities)
+    with log.open("a") as f:  # each pid had GPU 0 open last cycle: charged
         for i in range(5):
             f.write(xid_line(0x1B, 13, 1000 + i))
     signals = collector.collect(devices(), None, [usage(pods[0], 1000)], identities)
