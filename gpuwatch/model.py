@@ -48,6 +48,33 @@ class DeviceInfo:
     ecc_uncorrected_volatile: int | None = None  # uncorrectable ECC errors since the last reset
     row_remap_failure: bool | None = None  # nvmlDeviceGetRemappedRows: failureOccurred
     compute_capability: tuple[int, int] | None = None  # CUDA (major, minor)
+    # DCGM's default fields that the sweep reads besides the above (issue 19; DeviceFields)
+    fields: DeviceFields | None = None  # None: not read (MIG instance, lost GPU, another backend)
+    last_xid: int = 0  # the code of the last Xid NVML delivered since the backend started; 0: none
+
+
+@dataclass(frozen=True)
+class DeviceFields:
+    """The per-GPU readings dcgm-exporter publishes by default that gpuwatch reads besides memory,
+    utilisation, temperature and power (issue 19): one batched nvmlDeviceGetFieldValues plus the
+    clock and encoder/decoder getters per sweep. Each is None where the GPU or driver does not
+    support it (NVLink on a PCIe card, PCIe byte counters on older drivers). Counters (`_total`)
+    are the driver's, cumulative since it was loaded."""
+
+    sm_clock_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    energy_joules_total: float | None = None  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION (mJ) / 1000
+    memory_temperature_celsius: float | None = None
+    pcie_transmitted_bytes_total: int | None = None
+    pcie_received_bytes_total: int | None = None
+    pcie_replays_total: int | None = None
+    nvlink_transmitted_bytes_total: int | None = None  # data payload, all links (KiB x 1024)
+    nvlink_received_bytes_total: int | None = None
+    encoder_utilization_ratio: float | None = None
+    decoder_utilization_ratio: float | None = None
+    remapped_rows_correctable: int | None = None  # nvmlDeviceGetRemappedRows (read with the health inputs)
+    remapped_rows_uncorrectable: int | None = None
+    row_remap_pending: bool | None = None
 
 
 class TopologyLevel(IntEnum):

@@ -64,8 +64,8 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = self._get_snapshot()
         families: list[Metric] = []
-        for build in (self._meta, self._gpus, self._containers, self._groups, self._probes, self._sharing,
-                      signal_families, progress_families, crosscheck_families):
+        for build in (self._meta, self._gpus, self._gpu_fields, self._containers, self._groups, self._probes,
+                      self._sharing, signal_families, progress_families, crosscheck_families):
             try:
                 families.extend(build(snapshot))
             except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
@@ -147,6 +147,46 @@ class SnapshotCollector(Collector):
                                      "parent_uuid": d.parent_uuid or "",
                                      "simulated": str(d.simulated).lower()})
         return [total, used, free, util, mem_util, temp, power, power_limit, healthy, xid, scaled, info]
+
+    def _gpu_fields(self, s: Snapshot) -> list[Metric]:
+        """DCGM's default fields besides the basics (model.DeviceFields, issue 19): per physical GPU,
+        each only where the GPU answered it. dashboards/gpuwatch-dcgm-compat.yml republishes them
+        under dcgm-exporter's names."""
+        gauges = {name: GaugeMetricFamily(f"gpuwatch_gpu_{name}", doc, labels=GPU_LABELS) for name, doc in (
+            ("sm_clock_hertz", "SM clock."),
+            ("memory_clock_hertz", "Memory clock."),
+            ("memory_temperature_celsius", "GPU memory (HBM) temperature."),
+            ("encoder_utilization_ratio", "Fraction of time the video encoder was busy (0-1)."),
+            ("decoder_utilization_ratio", "Fraction of time the video decoder was busy (0-1)."),
+            ("remapped_rows_correctable", "Memory rows remapped after correctable errors (since manufacture)."),
+            ("remapped_rows_uncorrectable", "Memory rows remapped after uncorrectable errors (since manufacture)."),
+            ("row_remap_pending", "1 while a row remap waits for the next GPU reset."),
+        )}
+        counters = {name: CounterMetricFamily(f"gpuwatch_gpu_{name.removesuffix('_total')}", doc, labels=GPU_LABELS)
+                    for name, doc in (
+            ("energy_joules_total", "Energy the GPU used since the driver was loaded."),
+            ("pcie_transmitted_bytes_total", "Bytes the GPU sent over PCIe since the driver was loaded."),
+            ("pcie_received_bytes_total", "Bytes the GPU received over PCIe since the driver was loaded."),
+            ("pcie_replays_total", "PCIe link retries (replays) since the driver was loaded."),
+            ("nvlink_transmitted_bytes_total", "NVLink data bytes sent, all links, since the driver was loaded."),
+            ("nvlink_received_bytes_total", "NVLink data bytes received, all links, since the driver was loaded."),
+        )}
+        last_xid = GaugeMetricFamily("gpuwatch_gpu_last_xid",
+                                     "Code of the last Xid error seen since the agent started (0: none).",
+                                     labels=GPU_LABELS)
+        for d in s.devices:
+            if d.is_mig:
+                continue
+            labels = [s.node, gpu_label(d), d.uuid, d.name]
+            last_xid.add_metric(labels, float(d.last_xid))
+            if d.fields is None:
+                continue
+            for families in (gauges, counters):
+                for name, family in families.items():
+                    value = getattr(d.fields, name)
+                    if value is not None:
+                        family.add_metric(labels, float(value))
+        return [*gauges.values(), *counters.values(), last_xid]
 
     def _containers(self, s: Snapshot) -> list[Metric]:
         memory = GaugeMetricFamily("gpuwatch_container_memory_bytes",

@@ -21,6 +21,11 @@ How it reads (modelled on nvitop's NVML handling):
 * Health inputs: per sweep, the Xid codes drained from the event set, GPU_IS_LOST, the
   volatile uncorrectable ECC count and the row-remapping failure flag (two calls per
   GPU); the CUDA compute capability is static.
+* DCGM's default fields (`DeviceFields`, issue 19), per physical GPU per sweep: one batched
+  `nvmlDeviceGetFieldValues` (memory temperature, total energy, PCIe replays and TX/RX bytes,
+  NVLink data TX/RX), the SM and memory clocks and the encoder/decoder utilisation (NVML has
+  no field ids for those four); the remapped-row counts come from the health call above. A
+  field the GPU lacks is dropped from the batch after its first NOT_SUPPORTED, as any field is.
 * Topology (`GpuSweep.topology`) is read once per backend: PCIe common ancestor of every
   pair of physical GPUs, and their NVLinks (direct, or through NVSwitches). A failure
   there costs the topology detail, never the backend.
@@ -47,6 +52,7 @@ import pynvml
 from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
 from gpuwatch.gpu.samples import SampleTimeline, integrate
 from gpuwatch.model import (
+    DeviceFields,
     DeviceInfo,
     GpuLink,
     GpuProcess,
@@ -80,6 +86,20 @@ _NVLINK_LINKS = 18  # NVML_NVLINK_MAX_LINKS of the drivers this targets (535-570
 _NVLINK_GPU = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
 _NVLINK_SWITCH = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
 _VALUE_NOT_AVAILABLE = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+
+# The batched fields: (DeviceFields attribute, NVML field id, scale to the attribute's unit).
+# NVLink throughput is asked with scopeId 0, the device total as NVIDIA's samples read it.
+_BATCHED_FIELDS: tuple[tuple[str, int, float], ...] = (
+    ("memory_temperature_celsius", pynvml.NVML_FI_DEV_MEMORY_TEMP, 1.0),
+    ("energy_joules_total", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 1e-3),  # mJ
+    ("pcie_replays_total", pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, 1.0),
+    ("pcie_transmitted_bytes_total", pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 1.0),
+    ("pcie_received_bytes_total", pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 1.0),
+    ("nvlink_transmitted_bytes_total", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 1024.0),  # KiB
+    ("nvlink_received_bytes_total", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 1024.0),
+)
+_INT_FIELDS = frozenset(("pcie_replays_total", "pcie_transmitted_bytes_total", "pcie_received_bytes_total",
+                         "nvlink_transmitted_bytes_total", "nvlink_received_bytes_total"))
 
 # Xid codes after which the GPU needs a reset (NVIDIA's Xid catalogue): double-bit ECC,
 # fell off the bus, contained/uncontained ECC errors, GSP errors. A device that saw one
@@ -141,6 +161,7 @@ class _Device:
     process_objects: dict[tuple[Any, ...], GpuProcess] = field(default_factory=dict)
     xid_errors_total: int = 0
     xid_events: list[int] = field(default_factory=list)  # Xid codes drained in the current sweep
+    last_xid: int = 0  # the last Xid code drained since the backend started (0: none)
     compute_capability: tuple[int, int] | None = None
     fatal_xid: bool = False
     lost: bool = False  # GPU_IS_LOST seen in the current sweep
@@ -161,8 +182,11 @@ class NvmlBackend:
     def __init__(self, library_path: str | None = None, util_hold_s: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  util_cpu_budget_ratio: float = DEFAULT_UTIL_CPU_BUDGET_RATIO,
-                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+                 cpu_clock: Callable[[], float] = time.thread_time, read_fields: bool = True) -> None:
+        """`read_fields=False` leaves DCGM's default fields unread (DeviceInfo.fields None): the
+        baseline bench_pipeline measures their cost against."""
         self._clock = clock
+        self._read_fields = read_fields
         self._cpu_clock = cpu_clock
         self._util_hold_s = util_hold_s
         self._util_cpu_budget_ratio = util_cpu_budget_ratio
@@ -515,6 +539,7 @@ class NvmlBackend:
                 continue
             dev.xid_errors_total += 1
             dev.xid_events.append(int(data.eventData))
+            dev.last_xid = int(data.eventData)
             if int(data.eventData) in _FATAL_XIDS:
                 dev.fatal_xid = True
 
@@ -541,6 +566,8 @@ class NvmlBackend:
         util_gpu = util_mem = temperature = power = None
         ecc: int | None = None
         remap_failure: bool | None = None
+        rows: tuple[int, int, int, int] | None = None
+        fields: DeviceFields | None = None
         if not dev.is_mig:  # utilisation, temperature, power and health are per physical GPU
             rates = self._field(dev, "utilization", pynvml.nvmlDeviceGetUtilizationRates, dev.handle)
             if rates is not None:
@@ -555,6 +582,8 @@ class NvmlBackend:
             ecc = int(count) if count is not None else None
             rows = self._field(dev, "remapped_rows", pynvml.nvmlDeviceGetRemappedRows, dev.handle)
             remap_failure = bool(rows[3]) if rows is not None else None  # (corr, unc, pending, failure)
+            if self._read_fields and not dev.lost:
+                fields = self._read_device_fields(dev, rows)
         return DeviceInfo(
             index=dev.index, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id,
             memory_total_bytes=total, memory_used_bytes=used, memory_free_bytes=free,
@@ -566,7 +595,58 @@ class NvmlBackend:
             simulated=dev.name.startswith(SIM_NAME_PREFIX),
             lost=dev.lost, xid_events=tuple(dev.xid_events), ecc_uncorrected_volatile=ecc,
             row_remap_failure=remap_failure, compute_capability=dev.compute_capability,
+            fields=fields, last_xid=dev.last_xid,
         )
+
+    def _read_device_fields(self, dev: _Device, rows: tuple[int, int, int, int] | None) -> DeviceFields:
+        """DCGM's default fields of one physical GPU (DeviceFields): one batched field-values call,
+        then the four getters NVML has no field ids for. Each reading degrades on its own, with
+        `_field`'s accounting: NOT_SUPPORTED drops it for good, any other error is N/A this sweep."""
+        values: dict[str, float | int | bool | None] = dict(self._batched_fields(dev))
+        handle = dev.handle
+        for name, clock in (("sm_clock_hertz", pynvml.NVML_CLOCK_SM), ("memory_clock_hertz", pynvml.NVML_CLOCK_MEM)):
+            mhz = self._field(dev, name, pynvml.nvmlDeviceGetClockInfo, handle, clock)
+            values[name] = mhz * 1e6 if mhz is not None else None
+        for name, fn in (("encoder_utilization_ratio", pynvml.nvmlDeviceGetEncoderUtilization),
+                         ("decoder_utilization_ratio", pynvml.nvmlDeviceGetDecoderUtilization)):
+            util = self._field(dev, name, fn, handle)  # [percent, sampling period (us)]
+            values[name] = util[0] / 100.0 if util is not None else None
+        if rows is not None:
+            values["remapped_rows_correctable"], values["remapped_rows_uncorrectable"] = int(rows[0]), int(rows[1])
+            values["row_remap_pending"] = bool(rows[2])
+        return DeviceFields(**values)  # type: ignore[arg-type]  # names and types from _BATCHED_FIELDS
+
+    def _batched_fields(self, dev: _Device) -> list[tuple[str, float | int]]:
+        """(attribute, value) of the batched fields that answered: one nvmlDeviceGetFieldValues
+        over the fields not yet found unsupported, its entries array kept per device."""
+        wanted = [f for f in _BATCHED_FIELDS if f[0] not in dev.unsupported]
+        if not wanted or "field_values" in dev.unsupported:
+            return []
+        key = "nvmlDeviceGetFieldValues"
+        capacity, entries = dev.buffers.get(key, (0, None))
+        if entries is None or capacity != len(wanted):  # the set shrinks when a field proves unsupported
+            entries = (_FieldValue * len(wanted))()
+            dev.buffers[key] = (len(wanted), entries)
+        for entry, (_, field_id, _) in zip(entries, wanted, strict=True):
+            entry.fieldId, entry.scopeId = field_id, 0
+        try:
+            ret = pynvml._nvmlGetFunctionPointer(key)(dev.handle, ctypes.c_int32(len(wanted)), entries)
+            if ret != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(ret)
+        except pynvml.NVMLError as err:
+            self._field(dev, "field_values", _raise, err)
+            return []
+        out: list[tuple[str, float | int]] = []
+        for entry, (name, _, scale) in zip(entries, wanted, strict=True):
+            if entry.nvmlReturn != pynvml.NVML_SUCCESS:
+                self._field(dev, name, _raise, pynvml.NVMLError(entry.nvmlReturn))
+                continue
+            raw = _field_value(entry)
+            if raw is None:
+                continue
+            value = raw * scale
+            out.append((name, int(value) if name in _INT_FIELDS else value))
+        return out
 
     def _process_list(self, dev: _Device, kind: str) -> list[tuple[int, ...]]:
         """(pid, usedGpuMemory) of one running-process list, v3 entry point with v2 fallback."""
@@ -688,11 +768,35 @@ class _UtilSample(ctypes.Structure):
                 ("memUtil", ctypes.c_uint), ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
 
 
+class _FieldValue(ctypes.Structure):
+    """nvmlFieldValue_t (40 bytes): the value union read as raw bytes by `_field_value`."""
+
+    _fields_ = [("fieldId", ctypes.c_uint), ("scopeId", ctypes.c_uint), ("timestamp", ctypes.c_longlong),
+                ("latencyUsec", ctypes.c_longlong), ("valueType", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint),
+                ("value", ctypes.c_ubyte * 8)]
+
+
+# nvmlValueType_t -> struct format of the union member it names
+_VALUE_FORMATS = {pynvml.NVML_VALUE_TYPE_DOUBLE: "@d", pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "@I",
+                  pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "@L", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "@Q",
+                  pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "@q", pynvml.NVML_VALUE_TYPE_SIGNED_INT: "@i"}
+
+
+def _field_value(entry: _FieldValue) -> float | int | None:
+    """The number in an answered field entry; None for a value type this code does not know."""
+    fmt = _VALUE_FORMATS.get(entry.valueType)
+    if fmt is None:
+        return None
+    value: float | int = struct.unpack_from(fmt, bytes(entry.value))[0]
+    return value
+
+
 # Decoders over the raw arrays (native alignment, checked against ctypes below):
 # (pid, usedGpuMemory) and (pid, timeStamp, smUtil).
 _PROCESS_INFO = struct.Struct("@IQII")
 _UTIL_SAMPLE = struct.Struct("@IQIIII")
 assert _PROCESS_INFO.size == ctypes.sizeof(_ProcessInfo) and _UTIL_SAMPLE.size == ctypes.sizeof(_UtilSample)
+assert ctypes.sizeof(_FieldValue) == 40
 
 
 def _list_call(dev: _Device, function: str, struct_type: type[ctypes.Structure], layout: struct.Struct,

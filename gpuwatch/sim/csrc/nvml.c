@@ -197,6 +197,10 @@ static int check_dev(nvmlDevice_t d)
 #define COST_ECC_NS 1800u
 #define COST_SCALAR_NS 1200u
 #define COST_OTHER_NS 1000u
+/* Modelled, not measured (issue 19): nvmlDeviceGetFieldValues costs what a scalar query does
+ * (1.2 us) per field it is asked for -- each field is its own RM control in the driver -- and
+ * at least the 1 us of any call. ClockInfo and Encoder/DecoderUtilization are "everything else". */
+#define COST_FIELD_NS 1200u
 
 struct cost_guard {
     uint64_t start_ns;
@@ -669,15 +673,71 @@ API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t d, unsigned int *v)
     return nvmlDeviceGetCurrPcieLinkWidth(d, v);
 }
 
+/* ---- counters that integrate load (energy, PCIe and NVLink bytes) ----
+ * A real driver integrates its power samples into the energy counter and counts every PCIe /
+ * NVLink byte. The fake integrates, per reading process and device, the power it answers
+ * (idle + (limit - idle) x utilisation) and traffic rates proportional to the utilisation over
+ * [previous read, now] (the busy buckets, at most their 6.4 s history). A process's first read
+ * starts from the node's creation at idle power and idle PCIe traffic, so every reader sees
+ * counters that start near the same origin and only grow; two processes' counters differ by
+ * what each integrated (the real counters are one per GPU). */
+#define SIM_IDLE_POWER_MW 70000ULL
+#define SIM_PCIE_IDLE_BPS 2000000ULL        /* 2 MB/s each way: driver and monitoring traffic */
+#define SIM_PCIE_TX_BUSY_BPS 2000000000ULL  /* at 100 % busy: results copied back to the host */
+#define SIM_PCIE_RX_BUSY_BPS 6000000000ULL  /* at 100 % busy: inputs copied in */
+#define SIM_NVLINK_BUSY_BPS 50000000000ULL  /* each way at 100 % busy: peer traffic of a sharded job */
+
+static unsigned current_util(int i);
+static unsigned device_util_pct(int i, uint64_t from_ns, uint64_t to_ns);
+
+struct sim_traffic {
+    uint64_t last_ns; /* 0: not read yet in this process */
+    double energy_mj, pcie_tx_bytes, pcie_rx_bytes, nvlink_tx_bytes, nvlink_rx_bytes;
+};
+static struct sim_traffic g_traffic[SIM_MAX_DEVICES];
+static pthread_mutex_t g_traffic_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* device i's counters integrated up to now (copied out under the lock) */
+static struct sim_traffic sim_traffic_now(int i)
+{
+    uint64_t now = sim_realtime_ns();
+    const struct sim_device *dev = &g_sim.hdr->devices[i];
+    double limit_mw = (double)dev->power_limit_mw;
+    pthread_mutex_lock(&g_traffic_mu);
+    struct sim_traffic *t = &g_traffic[i];
+    if (t->last_ns == 0) {
+        uint64_t created_ns = g_sim.hdr->created_us * 1000ULL;
+        double up_s = now > created_ns ? (double)(now - created_ns) / 1e9 : 0.0;
+        t->energy_mj = (double)dev->energy_mj_base + up_s * (double)SIM_IDLE_POWER_MW;
+        t->pcie_tx_bytes = t->pcie_rx_bytes = up_s * (double)SIM_PCIE_IDLE_BPS;
+        t->last_ns = now;
+    } else if (now > t->last_ns) {
+        uint64_t history_ns = SIM_BUCKETS * SIM_BUCKET_NS;
+        uint64_t from = now - t->last_ns > history_ns ? now - history_ns : t->last_ns;
+        double busy = device_util_pct(i, from, now) / 100.0;
+        double dt_s = (double)(now - t->last_ns) / 1e9;
+        t->energy_mj += dt_s * ((double)SIM_IDLE_POWER_MW + (limit_mw - (double)SIM_IDLE_POWER_MW) * busy);
+        t->pcie_tx_bytes += dt_s * ((double)SIM_PCIE_IDLE_BPS + (double)SIM_PCIE_TX_BUSY_BPS * busy);
+        t->pcie_rx_bytes += dt_s * ((double)SIM_PCIE_IDLE_BPS + (double)SIM_PCIE_RX_BUSY_BPS * busy);
+        t->nvlink_tx_bytes += dt_s * (double)SIM_NVLINK_BUSY_BPS * busy;
+        t->nvlink_rx_bytes += dt_s * (double)SIM_NVLINK_BUSY_BPS * busy;
+        t->last_ns = now;
+    }
+    struct sim_traffic out = *t;
+    pthread_mutex_unlock(&g_traffic_mu);
+    return out;
+}
+
 API nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t d, unsigned int counter, unsigned int *v)
 {
     NVML_COST(COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
-    (void)i;
-    (void)counter;
-    if (!v)
+    if (!v || counter > 1)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *v = 0; /* KB/s: the simulation moves no data over PCIe */
+    /* KB/s over the last utilisation window: the rates sim_traffic_bytes integrates */
+    unsigned util = current_util(i);
+    uint64_t rate = counter == 0 ? SIM_PCIE_TX_BUSY_BPS : SIM_PCIE_RX_BUSY_BPS;
+    *v = (unsigned)((SIM_PCIE_IDLE_BPS + rate * util / 100) / 1000);
     return NVML_SUCCESS;
 }
 
@@ -1482,9 +1542,7 @@ API nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t d, unsigned lo
     DEV_OR_RETURN(i, d);
     if (!mj)
         return NVML_ERROR_INVALID_ARGUMENT;
-    /* idle power integrated since the node came up (busy power is not integrated) */
-    uint64_t secs = (sim_realtime_ns() / 1000ULL - g_sim.hdr->created_us) / 1000000ULL;
-    *mj = g_sim.hdr->devices[i].energy_mj_base + secs * 70000ULL;
+    *mj = (unsigned long long)sim_traffic_now(i).energy_mj; /* the power answered, integrated */
     return NVML_SUCCESS;
 }
 
@@ -1627,30 +1685,98 @@ typedef struct {
 _Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
 
 #define NVML_FI_DEV_NVLINK_LINK_COUNT 91
+#define NVML_FI_DEV_MEMORY_TEMP 82
+#define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
+#define NVML_FI_DEV_PCIE_REPLAY_COUNTER 94
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX 139
+#define NVML_FI_DEV_REMAPPED_COR 142
+#define NVML_FI_DEV_REMAPPED_UNC 143
+#define NVML_FI_DEV_REMAPPED_PENDING 144
+#define NVML_FI_DEV_REMAPPED_FAILURE 145
+#define NVML_FI_DEV_PCIE_COUNT_TX_BYTES 197
+#define NVML_FI_DEV_PCIE_COUNT_RX_BYTES 198
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
 
-/* NVLink link count: 0 on a PCIe node, NVML_NVLINK_MAX_LINKS (H100 SXM) otherwise; every
- * other field is answered per entry with NVML_ERROR_NOT_SUPPORTED, as the real call does
- * for absent features. */
+/* Answered (per entry, as the real call does; the call itself succeeds):
+ *   NVLink link count: 0 on a PCIe node, NVML_NVLINK_MAX_LINKS (H100 SXM) otherwise;
+ *   memory temperature (HBM runs a few degrees above the core at load), total energy (mJ),
+ *   PCIe replays (0: a healthy link), PCIe TX/RX bytes and NVLink data TX/RX (KiB; NOT_SUPPORTED
+ *   on a PCIe node) -- counters that grow with load (sim_traffic_now) -- and the remapped-row
+ *   counts of nvmlDeviceGetRemappedRows;
+ *   every other field NOT_SUPPORTED, as the real call answers absent features.
+ * Cost model: COST_FIELD_NS per field asked (modelled, see COST_FIELD_NS). */
 API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *values)
 {
-    NVML_COST(COST_OTHER_NS);
+    NVML_COST(count > 0 ? (uint32_t)count * COST_FIELD_NS : COST_OTHER_NS);
     DEV_OR_RETURN(i, d);
-    (void)i;
     if (count < 0 || (count > 0 && !values))
         return NVML_ERROR_INVALID_ARGUMENT;
     long long now_us = (long long)(sim_realtime_ns() / 1000ULL);
-    unsigned links = g_sim.hdr->topology == SIM_TOPO_PCIE ? 0u : (unsigned)SIM_NVLINK_MAX_LINKS;
+    int pcie = g_sim.hdr->topology == SIM_TOPO_PCIE;
+    unsigned links = pcie ? 0u : (unsigned)SIM_NVLINK_MAX_LINKS;
+    struct sim_device *dev = &g_sim.hdr->devices[i];
+    struct sim_traffic traffic = {0};
+    int have_traffic = 0;
     for (int k = 0; k < count; k++) {
         nvmlFieldValue_t *v = &values[k];
+        unsigned id = v->fieldId;
         v->timestamp = now_us;
         v->latencyUsec = 0;
         v->value = 0;
         v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
-        if (v->fieldId == NVML_FI_DEV_NVLINK_LINK_COUNT) {
+        v->nvmlReturn = NVML_SUCCESS;
+        if (!have_traffic && (id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION || id == NVML_FI_DEV_PCIE_COUNT_TX_BYTES ||
+                              id == NVML_FI_DEV_PCIE_COUNT_RX_BYTES || id == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX ||
+                              id == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)) {
+            traffic = sim_traffic_now(i);
+            have_traffic = 1;
+        }
+        switch (id) {
+        case NVML_FI_DEV_NVLINK_LINK_COUNT:
             v->value = links;
-            v->nvmlReturn = NVML_SUCCESS;
-        } else {
+            break;
+        case NVML_FI_DEV_MEMORY_TEMP:
+            v->value = 34 + (current_util(i) * 3) / 10;
+            break;
+        case NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value = (unsigned long long)traffic.energy_mj;
+            break;
+        case NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+            v->value = 0;
+            break;
+        case NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+        case NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value = (unsigned long long)(id == NVML_FI_DEV_PCIE_COUNT_TX_BYTES ? traffic.pcie_tx_bytes
+                                                                                 : traffic.pcie_rx_bytes);
+            break;
+        case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX:
+        case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
+            if (pcie) {
+                v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+                break;
+            }
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value = (unsigned long long)((id == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX ? traffic.nvlink_tx_bytes
+                                                                                        : traffic.nvlink_rx_bytes) /
+                                            1024.0);
+            break;
+        case NVML_FI_DEV_REMAPPED_COR:
+            v->value = __atomic_load_n(&dev->remapped_rows_corr, __ATOMIC_RELAXED);
+            break;
+        case NVML_FI_DEV_REMAPPED_UNC:
+            v->value = __atomic_load_n(&dev->remapped_rows_unc, __ATOMIC_RELAXED);
+            break;
+        case NVML_FI_DEV_REMAPPED_PENDING:
+            v->value = __atomic_load_n(&dev->remap_pending, __ATOMIC_RELAXED) ? 1u : 0u;
+            break;
+        case NVML_FI_DEV_REMAPPED_FAILURE:
+            v->value = __atomic_load_n(&dev->remap_failure, __ATOMIC_RELAXED) ? 1u : 0u;
+            break;
+        default:
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }
     }
