@@ -1,13 +1,32 @@
 /* cuda.bpf.c — libcuda uprobes.
  *
  * Allocation group (GW_ALLOC_UPROBES): the entry probe stores the out-pointer and size per
- * thread (and checks the cgroup's limit before the allocation proceeds); the return probe
+ * thread (and checks the cgroup's limit before the allocation proceeds: against the larger of
+ * its CUDA-API live bytes and the driver bytes the ioctl decoder counts); the return probe
  * reads the result pointer, records (tgid, ptr) -> size and charges the cgroup; an
  * out-of-memory return is counted and sent as a rare event. Frees look the pointer up.
  * Launch group (GW_LAUNCH_UPROBES, opt-in): one per-CPU counter increment per launch,
  * nothing sent to user space. */
 
 #if GW_ALLOC_UPROBES
+/* The cgroup's video memory as the decoder counts it on every GPU (0 without the ioctl group):
+ * it includes what libcuda allocates without a cuMemAlloc (a context's 518 MiB on an H100) and
+ * the driver's rounding, so a limit holds what NVML will show, not only the API's bytes. */
+static __always_inline s64 gw_rm_live_bytes(u64 cgroup_id)
+{
+    s64 total = 0;
+#pragma unroll
+    for (u32 d = 0; d < GW_DEV_SLOTS; d++) {
+        struct gw_mem_key mk = {};
+        mk.cgroup_id = cgroup_id;
+        mk.device = d;
+        struct gw_mem_val *mv = gw_mem.lookup(&mk);
+        if (mv)
+            total += mv->live_bytes;
+    }
+    return total;
+}
+
 static __always_inline int gw_cuda_enter(u32 fn, u64 out_ptr, u64 bytes, u64 pitch_ptr)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -23,6 +42,9 @@ static __always_inline int gw_cuda_enter(u32 fn, u64 out_ptr, u64 bytes, u64 pit
             mk.device = GW_DEV_CUDA;
             struct gw_mem_val *mv = gw_mem.lookup(&mk);
             s64 live = mv ? mv->live_bytes : 0;
+            s64 rm_live = gw_rm_live_bytes(st->cgroup_id);
+            if (rm_live > live)   /* the driver's view: contexts and rounding, as NVML counts them */
+                live = rm_live;
             if (live + (s64)bytes > (s64)lim->limit_bytes) {
                 gw_emit(GW_EV_OVER_LIMIT, st->cgroup_id, bytes, lim->limit_bytes, GW_DEV_CUDA,
                         GW_SRC_CUDA, 0);

@@ -297,7 +297,7 @@ struct gw_launch_val {          /* per-CPU, key __u64 cgroup_id */
 
 /* per-cgroup limit (filled by the enforcer), key __u64 cgroup_id */
 struct gw_limit {
-    __u64 limit_bytes;          /* CUDA-API live bytes allowed */
+    __u64 limit_bytes;          /* live bytes allowed: max(CUDA-API bytes, decoded driver bytes) */
     __u32 action;               /* GW_ACTION_* */
     __u32 pad;
 };
