@@ -390,6 +390,15 @@ def _signal_number(text: str) -> int:
     help="RM_ALLOC paramsSize: zero (real libcuda: RM sizes the parameters by class) or the class's size.",
 )
 @click.option("--managed", is_flag=True, help="Allocate with cuMemAllocManaged (nvidia-uvm) instead of cuMemAlloc.")
+@click.option(
+    "--pause-every-s",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="GPU-seconds of work between GPU-idle pauses (a checkpoint save, an evaluation; 0: none).",
+)
+@click.option("--pause-s", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Wall seconds each pause lasts.")
 def run_cmd(
     name: str,
     gpu: int,
@@ -415,6 +424,8 @@ def run_cmd(
     context_mib: int,
     rm_params_size: str,
     managed: bool,
+    pause_every_s: float,
+    pause_s: float,
 ) -> None:
     """Run a GPU workload on the simulated node in this process.
 
@@ -426,6 +437,9 @@ def run_cmd(
     time: on a shared GPU it takes longer) and exits 0 after printing "done <pid> <s>".
     With --progress-curve it evaluates a loss-like function of the work done, writes it
     to --progress-file and prints "evaluation <value> <work done s>" once a second.
+    A training step's GPU-idle parts: --duty (input wait, the CPU's part of a step) and
+    --pause-every-s / --pause-s (a checkpoint save or evaluation every so many GPU-seconds);
+    "phases gpu=<s> input=<s> pause=<s>" is printed before "done".
 
     --alloc-path, --suballoc-mib, --context-mib and --rm-params-size choose the driver
     traffic the stub libcuda issues (and so what NVML counts: the driver's objects at their
@@ -473,6 +487,8 @@ def run_cmd(
         evaluation_file=progress_file,
         evaluation_interval_s=progress_interval_s,
         managed=managed,
+        pause_every_s=pause_every_s,
+        pause_s=pause_s,
     )
     sys.exit(workload.run_workload(spec))
 

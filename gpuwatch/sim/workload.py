@@ -11,7 +11,16 @@ gpuwatch sees a real process doing real (simulated) GPU work:
   driver calls (RM_ALLOC or VID_HEAP_CONTROL, chunks, context memory) is the
   environment's (`gpuwatch.sim.node.driver_env`, `gpuwatch sim run --alloc-path ...`);
 * kernel duty: kernels of `kernel_ms` are launched with idle gaps so that the process
-  is busy `duty` of the time;
+  is busy `duty` of the time -- the GPU-idle part of a training step (waiting for the input
+  pipeline, the CPU's share of the step, host-device copies);
+* pauses: with `pause_every_s` and `pause_s` the job stops launching for `pause_s` of wall
+  time after every `pause_every_s` GPU-seconds of work (a checkpoint save or an evaluation
+  pass on the host), GPU-idle as such phases are. The time in each phase (gpu: kernels
+  running or waiting for the engine, input: the duty's gaps, pause) is printed at the end
+  as `phases gpu=<s> input=<s> pause=<s>` -- what a test checks the job model against;
+* memory warm-up: the `steps` are allocated `interval_s` apart while the job works (a
+  caching allocator's pool growing over the first iterations), then held: the footprint
+  plateaus;
 * progress: a counter of completed work units (kernels + allocation steps), written to
   <sim root>/progress/<pid> (as "<count> <unix time>") and printed once a second --
   what progress-aware policies read;
@@ -115,6 +124,8 @@ class WorkloadSpec:
     evaluation_file: Path | None = None  # where the evaluation value is rewritten
     evaluation_interval_s: float = 0.2  # how often at most
     managed: bool = False  # allocate with cuMemAllocManaged (nvidia-uvm), not cuMemAlloc
+    pause_every_s: float = 0.0  # GPU-seconds of work between GPU-idle pauses (checkpoint, eval); 0: none
+    pause_s: float = 0.0  # wall seconds each pause lasts
 
     def validate(self) -> None:
         if self.pattern not in PATTERNS:
@@ -136,6 +147,9 @@ class WorkloadSpec:
             raise SimError("--progress-file needs an evaluation function", fix="pass --progress-curve")
         if self.evaluation_interval_s <= 0:
             raise SimError("the evaluation interval must be > 0", fix="pass --progress-interval-s > 0")
+        if not (math.isfinite(self.pause_every_s) and self.pause_every_s >= 0
+                and math.isfinite(self.pause_s) and self.pause_s >= 0):
+            raise SimError("pause-every-s and pause-s must be >= 0", fix="pass --pause-every-s / --pause-s >= 0")
 
 
 class StubCuda:
@@ -222,6 +236,9 @@ class Workload:
         self.work_done_s = 0.0  # GPU-seconds of kernels completed
         self._work_complete = False
         self._last_evaluation = float("-inf")
+        self.phase_s = {"gpu": 0.0, "input": 0.0, "pause": 0.0}  # wall time per phase while working
+        self._next_pause_s = spec.pause_every_s if spec.pause_every_s > 0 else math.inf
+        self._paused_s = 0.0  # of the pause in progress
 
     # -- reporting --
     def _say(self, line: str) -> None:
@@ -298,15 +315,23 @@ class Workload:
             if spec.duty <= 0:
                 time.sleep(min(left, 0.05))
                 continue
+            if self.work_done_s >= self._next_pause_s:
+                if self._pause(until):
+                    return True
+                continue
             wait = self._next_kernel - time.monotonic()
             if wait > 0:
-                time.sleep(min(wait, left, 0.05))
+                nap = min(wait, left, 0.05)
+                time.sleep(nap)
+                self.phase_s["input"] += nap
                 continue
             r0 = _runnable_s()
+            w0 = time.monotonic()
             kernel_us = int(spec.kernel_ms * 1000)
             if spec.work_s > 0:
                 kernel_us = max(1, min(kernel_us, round((spec.work_s - self.work_done_s) * 1e6)))
             self.cuda.kernel(kernel_us)
+            self.phase_s["gpu"] += time.monotonic() - w0
             self.work_done_s += kernel_us / 1e6
             self.progress += 1
             self._write_progress()
@@ -318,6 +343,25 @@ class Workload:
             # time the launch took, what the stub credits), so busy / wall == duty
             # however long launches or wake-ups took; at most 0.5 s of backlog
             self._next_kernel = max(self._next_kernel + (_runnable_s() - r0) / spec.duty, time.monotonic() - 0.5)
+
+    def _pause(self, until: float) -> bool:
+        """A GPU-idle pause (checkpoint save, evaluation on the host) of `pause_s`, within the
+        current spend (`until`); the rest of it carries over. True when asked to stop."""
+        spec = self.spec
+        end = time.monotonic() + spec.pause_s - self._paused_s
+        while time.monotonic() < min(end, until):
+            if self._checkpoint_if_asked():
+                return True
+            nap = min(end, until) - time.monotonic()
+            if nap > 0:
+                time.sleep(min(nap, 0.05))
+                self.phase_s["pause"] += min(nap, 0.05)
+        self._paused_s = spec.pause_s - max(end - time.monotonic(), 0.0)
+        if time.monotonic() >= end:
+            self._paused_s = 0.0
+            self._next_pause_s += spec.pause_every_s
+            self._next_kernel = time.monotonic()  # the step after a pause starts at once
+        return self._lifetime_over()
 
     def _allocate(self, nbytes: int) -> None:
         self.held.append(self.cuda.alloc(nbytes, managed=self.spec.managed))
@@ -378,6 +422,8 @@ class Workload:
         self._write_progress(force=True)
         self._write_evaluation(force=True)
         if self._work_complete:
+            phases = " ".join(f"{name}={seconds:.3f}" for name, seconds in self.phase_s.items())
+            self._say(f"phases {phases}")
             self._say(f"done {os.getpid()} {self.work_done_s:.3f}")
         for ptr in self.held:
             self.cuda.free(ptr)
