@@ -171,6 +171,9 @@ class SnapshotCollector(Collector):
             ("nvlink_transmitted_bytes_total", "NVLink data bytes sent, all links, since the driver was loaded."),
             ("nvlink_received_bytes_total", "NVLink data bytes received, all links, since the driver was loaded."),
         )}
+        remap_failure = GaugeMetricFamily("gpuwatch_gpu_row_remap_failure",
+                                          "1 if a memory row remap failed (the GPU needs service).",
+                                          labels=GPU_LABELS)
         last_xid = GaugeMetricFamily("gpuwatch_gpu_last_xid",
                                      "Code of the last Xid error seen since the agent started (0: none).",
                                      labels=GPU_LABELS)
@@ -179,6 +182,8 @@ class SnapshotCollector(Collector):
                 continue
             labels = [s.node, gpu_label(d), d.uuid, d.name]
             last_xid.add_metric(labels, float(d.last_xid))
+            if d.row_remap_failure is not None:
+                remap_failure.add_metric(labels, 1.0 if d.row_remap_failure else 0.0)
             if d.fields is None:
                 continue
             for families in (gauges, counters):
@@ -186,7 +191,7 @@ class SnapshotCollector(Collector):
                     value = getattr(d.fields, name)
                     if value is not None:
                         family.add_metric(labels, float(value))
-        return [*gauges.values(), *counters.values(), last_xid]
+        return [*gauges.values(), *counters.values(), remap_failure, last_xid]
 
     def _containers(self, s: Snapshot) -> list[Metric]:
         memory = GaugeMetricFamily("gpuwatch_container_memory_bytes",

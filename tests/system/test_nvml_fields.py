@@ -98,7 +98,7 @@ def test_fields_read_once_per_sweep_move_with_load_and_are_exported(busy_gpu0: S
                  "gpuwatch_gpu_pcie_received_bytes_total", "gpuwatch_gpu_pcie_replays_total",
                  "gpuwatch_gpu_encoder_utilization_ratio", "gpuwatch_gpu_decoder_utilization_ratio",
                  "gpuwatch_gpu_remapped_rows_correctable", "gpuwatch_gpu_remapped_rows_uncorrectable",
-                 "gpuwatch_gpu_row_remap_pending", "gpuwatch_gpu_last_xid"):
+                 "gpuwatch_gpu_row_remap_pending", "gpuwatch_gpu_row_remap_failure", "gpuwatch_gpu_last_xid"):
         assert re.search(rf'^{name}{{gpu="0",.*node="n1"', text, re.M), name
     assert "gpuwatch_gpu_nvlink_transmitted_bytes_total{" not in text
 
