@@ -74,20 +74,22 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 GIB = 1 << 30
 MIB = 1 << 20
 MODES = ("none", "static", "adaptive", "elastic")
-OVERSUBSCRIBED = ("homogeneous", "heterogeneous")
-"""The mixes whose memory demand exceeds the GPU: the JSON line's "modes" average these."""
+GPUS = 4
+"""Simulated GPUs of the node (8 GiB each)."""
 NAMESPACE = "bench"
 RETRY_S = 1.0
 CONTEXT_MIB = 518
 """Each job's CUDA context (a real H100's; `gpuwatch sim run --context-mib`): part of its footprint."""
 STARTUP_S = 1.0
 POLL_S = 0.1
+KEYS = ("avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s")
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,9 @@ class Job:
     work_s: float
     curve: str
     rate: float
-    gpu: int = 0
+    duty: float = 1.0
+    pause_every_s: float = 0.0
+    pause_s: float = 0.0
     start: float = 1.0
     arrival_s: float = 0.0
 
@@ -124,28 +128,19 @@ class Job:
 
 
 def mixes(quick: bool) -> dict[str, list[Job]]:
-    """The job mixes; `quick` scales the work down (and keeps only the heterogeneous mix)."""
-    scale = 0.3 if quick else 1.0
+    """The trace-shaped mixes (benchmarks/sharing_mixes.py); `quick` scales the work down and
+    keeps only the heterogeneous mix."""
+    from sharing_mixes import ARRIVAL_GAP_S, MIXES, PAUSE_EVERY_S, PAUSE_S  # beside this script
 
-    def job(name: str, mib: int, steps: int, work: float, curve: str, rate: float, gpu: int, i: int) -> Job:
-        return Job(name, mib, steps, round(work * scale, 2), curve, rate / scale, gpu, arrival_s=0.3 * i)
-
-    homogeneous = [job(f"same-{i}", 3072, 3, 8.0, "exp", 0.35, 0, i) for i in range(4)]
-    heterogeneous = [
-        job("fast-2g", 2048, 2, 6.0, "exp", 1.0, 0, 0),  # converges in its first GPU-seconds
-        job("slow-3g", 3072, 3, 10.0, "exp", 0.12, 0, 1),  # keeps learning to the end
-        job("linear-2g", 2048, 2, 8.0, "linear", 0.1, 0, 2),  # constant progress per GPU-second
-        job("mid-3g", 3072, 3, 5.0, "exp", 0.5, 0, 3),
-    ]
-    # not oversubscribed (6 of 8 GiB): where progress-aware sharing has the GPU to itself
-    converging = [
-        job("plateau-2g", 2048, 2, 8.0, "exp", 2.0, 0, 0),  # flat after ~1.5 of its 8 GPU-seconds
-        job("learner-a-2g", 2048, 2, 6.0, "exp", 0.15, 0, 1),
-        job("learner-b-2g", 2048, 2, 6.0, "linear", 0.1, 0, 2),
-    ]
-    if quick:
-        return {"heterogeneous": heterogeneous}
-    return {"homogeneous": homogeneous, "heterogeneous": heterogeneous, "converging": converging}
+    scale = 0.6 if quick else 1.0
+    out: dict[str, list[Job]] = {}
+    for name, shapes in MIXES.items():
+        if quick and name != "heterogeneous":
+            continue
+        out[name] = [Job(shape.name, shape.memory_mib, 3, round(shape.work_s * scale, 2), shape.curve,
+                         shape.rate / scale, shape.duty, PAUSE_EVERY_S * scale, PAUSE_S, arrival_s=ARRIVAL_GAP_S * i)
+                     for i, shape in enumerate(shapes())]
+    return out
 
 
 def policy_text(mode: str, jobs: list[Job], quick: bool) -> str:
@@ -258,6 +253,7 @@ class JobRun:
     container: Any = None
     next_start_s: float = 0.0
     done_work_s: float = 0.0  # resumed from (after a checkpoint)
+    gpu: int | None = None  # placed at its first start
     samples: list[tuple[float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -267,10 +263,12 @@ class JobRun:
         start = job.loss(self.done_work_s)
         # a training job's start (imports, data loading) before its first CUDA allocation
         startup = ["/bin/sh", "-c", f'sleep {STARTUP_S:g} && exec "$@"', job.name]
-        return [*startup, sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim_name, "--gpu", str(job.gpu),
+        return [*startup, sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim_name,
+                "--gpu", str(self.gpu or 0),
                 "--context-mib", str(CONTEXT_MIB),  # with the steps: the declared demand exactly
                 "--mib-per-step", str(job.step_mib), "--steps", str(job.steps), "--interval-s", "0.5", "--hold",
-                "--duty", "1", "--kernel-ms", "10", "--work-s", f"{left:.3f}",
+                "--duty", f"{job.duty:g}", "--kernel-ms", "10", "--work-s", f"{left:.3f}",
+                "--pause-every-s", f"{job.pause_every_s:g}", "--pause-s", f"{job.pause_s:g}",
                 "--progress-curve", job.curve, "--progress-rate", f"{job.rate:g}",
                 "--progress-start", f"{max(start, 1e-9):.9g}", "--progress-file", str(self.progress_file),
                 "--progress-interval-s", "0.1"]
@@ -305,11 +303,12 @@ def t95(samples: list[tuple[float, float]], start: float, final: float) -> float
 
 class Run:
     def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
-                 timeout_s: float, retry_s: float) -> None:
+                 timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0) -> None:
         self.pipeline, self.lab, self.sim = pipeline, lab, sim
+        self.gpus = gpus
         self.mode, self.mix = mode, mix
         self.timeout_s, self.retry_s = timeout_s, retry_s
-        self.dir = work / f"{mix}-{mode}"
+        self.dir = work / f"{mix}-{mode}-{repeat}"
         self.dir.mkdir(parents=True)
         self.jobs = [JobRun(j, self.dir / j.name / "loss", next_start_s=j.arrival_s) for j in jobs]
         for run in self.jobs:
@@ -328,6 +327,18 @@ class Run:
             annotations={"gpuwatch.io/progress-file": str(run.progress_file),
                          "gpuwatch.io/progress-goal": "minimize"},
         )
+
+    def _place(self, run: JobRun) -> int | None:
+        """The GPU by the node's placement rule (gpuwatch.policy.placement): per GPU, the
+        declared demand of the jobs placed there and not done (a job placed to wait counts all
+        of it: a GPU takes one such job, whose context fitted, at a time) -- or None."""
+        from gpuwatch.policy.placement import GpuLoad, choose_gpu
+
+        loads = []
+        for index in range(self.gpus):
+            placed = [r for r in self.jobs if r.gpu == index and r.done_s is None]
+            loads.append(GpuLoad(index, 8 * GIB, sum(r.job.footprint_mib for r in placed) * MIB, len(placed)))
+        return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB)
 
     def _memory_ratio(self) -> float:
         from gpuwatch.sim import node as simnode
@@ -400,6 +411,10 @@ class Run:
                     if run.done_s is not None:
                         continue
                     if run.container is None and now >= run.next_start_s:
+                        if run.gpu is None:
+                            run.gpu = self._place(run)
+                            if run.gpu is None:
+                                continue  # no GPU holds even its context: it waits at the node
                         run.attempts += 1
                         run.container = self.lab.run(self._spec(run))
                     elif run.container is not None:
@@ -433,7 +448,8 @@ class Run:
             "oom_failures": sum(r.oom_failures for r in self.jobs),
             "t95_progress_s": round(statistics.fmean(t95s), 2) if t95s else None,
             "completed": f"{len(done)}/{len(self.jobs)}",
-            "jobs": {r.job.name: {"completion_s": round(r.done_s - r.job.arrival_s, 2) if r.done_s else None,
+            "jobs": {r.job.name: {"gpu": r.gpu,
+                                  "completion_s": round(r.done_s - r.job.arrival_s, 2) if r.done_s else None,
                                   "attempts": r.attempts, "oom": r.oom_failures,
                                   "t95_s": round(c - r.job.arrival_s, 2) if (c := t95(
                                       r.samples, r.job.start, r.job.loss(r.job.work_s))) is not None else None,
@@ -461,14 +477,43 @@ def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeats of one mix under one mode: each metric's mean and its spread (max - min)."""
+    out: dict[str, Any] = {}
+    for key in KEYS:
+        values = [r[key] for r in runs if r[key] is not None]
+        if key == "oom_failures":
+            out[key] = sum(values)
+            continue
+        out[key] = round(statistics.fmean(values), 3) if values else None
+        out[f"{key}_spread"] = round(max(values) - min(values), 3) if len(values) > 1 else 0.0
+    done = sum(int(r["completed"].split("/")[0]) for r in runs)
+    total = sum(int(r["completed"].split("/")[1]) for r in runs)
+    out["completed"] = f"{done}/{total}"
+    out["repeats"] = len(runs)
+    out["runs"] = [{k: r[k] for k in KEYS} for r in runs]
+    return out
+
+
+def cell(m: dict[str, Any], key: str, spec: str) -> str:
+    spread = m.get(f"{key}_spread")
+    return fmt(m[key], spec) + (f" ±{format(spread / 2, spec)}" if spread else "")
+
+
 def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
-    title = f"{mix}{'' if mix in OVERSUBSCRIBED else ' (not oversubscribed)'}:"
-    lines = [title, f"{'mode':<10}{'avg completion s':>18}{'makespan s':>12}{'mem util':>10}{'OOM':>6}"
-             f"{'t95 progress s':>16}{'done':>7}"]
+    lines = [f"{mix} (mean ±half the spread over the repeats):",
+             f"{'mode':<10}{'avg completion s':>18}{'makespan s':>16}{'mem util':>16}{'OOM':>6}"
+             f"{'t95 progress s':>18}{'done':>8}"]
     for mode, m in results.items():
-        lines.append(f"{mode:<10}{fmt(m['avg_completion_s'], '.2f'):>18}{fmt(m['makespan_s'], '.2f'):>12}"
-                     f"{fmt(m['mem_util'], '.1%'):>10}{m['oom_failures']:>6}{fmt(m['t95_progress_s'], '.2f'):>16}"
-                     f"{m['completed']:>7}")
+        lines.append(f"{mode:<10}{cell(m, 'avg_completion_s', '.2f'):>18}{cell(m, 'makespan_s', '.2f'):>16}"
+                     f"{cell(m, 'mem_util', '.1%'):>16}{m['oom_failures']:>6}{cell(m, 't95_progress_s', '.2f'):>18}"
+                     f"{m['completed']:>8}")
+    if "static" in results and "adaptive" in results and results["static"]["avg_completion_s"]:
+        gain = 1 - results["adaptive"]["avg_completion_s"] / results["static"]["avg_completion_s"]
+        lines.append(f"adaptive vs static, average completion: {gain:+.1%}")
+    if "adaptive" in results and "elastic" in results and results["adaptive"]["t95_progress_s"]:
+        gain = 1 - (results["elastic"]["t95_progress_s"] or 0) / results["adaptive"]["t95_progress_s"]
+        lines.append(f"elastic vs adaptive, time to 95% progress: {gain:+.1%}")
     return "\n".join(lines)
 
 
@@ -489,11 +534,12 @@ def combine(per_mix: dict[str, dict[str, dict[str, Any]]], modes: list[str]) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="CI smoke run: one mix, a fraction of the work")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--mixes", default=None, help="homogeneous,heterogeneous (default: both; --quick: one)")
+    parser.add_argument("--quick", action="store_true", help="CI run: one mix, a fraction of the work")
+    parser.add_argument("--modes", default=None, help="default: none,static,adaptive,elastic (quick: no none)")
+    parser.add_argument("--mixes", default=None, help="heterogeneous,memory-heavy,long-tail (default: all; quick: one)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each mix and mode (default 3, quick 2)")
     parser.add_argument("--interval", type=float, default=0.25, help="the agent's sample interval (s)")
-    parser.add_argument("--timeout-s", type=float, default=None, help="per run (default 300, quick 45)")
+    parser.add_argument("--timeout-s", type=float, default=None, help="per run (default 300, quick 60)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -503,7 +549,7 @@ def main() -> int:
     from gpuwatch.sim import node as simnode
     from gpuwatch.sim.runc import ContainerLab
 
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or ",".join(MODES[1:] if args.quick else MODES)).split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; use {', '.join(MODES)}")
@@ -511,30 +557,35 @@ def main() -> int:
     chosen = args.mixes.split(",") if args.mixes else list(all_mixes)
     if args.mixes:
         all_mixes = mixes(False) | mixes(args.quick)
-    timeout_s = args.timeout_s or (45.0 if args.quick else 300.0)
+    repeats = args.repeats or (2 if args.quick else 3)
+    timeout_s = args.timeout_s or (60.0 if args.quick else 300.0)
     retry_s = 0.5 if args.quick else RETRY_S
     work = Path(tempfile.mkdtemp(prefix="bench-sharing-"))
     per_mix: dict[str, dict[str, dict[str, Any]]] = {}
     started = time.monotonic()
     try:
         with ExitStack() as stack:
-            gpus = 1 + max(j.gpu for mix in chosen for j in all_mixes[mix])
-            sim = simnode.up(name=f"bench{os.getpid()}", root=work / "simroot", devices=gpus, memory_bytes=8 * GIB)
+            sim = simnode.up(name=f"bench{os.getpid()}", root=work / "simroot", devices=GPUS, memory_bytes=8 * GIB)
             stack.callback(simnode.down, sim.name)
             dirs = demo.default_lab_dirs(work / "lab")
             lab = stack.enter_context(ContainerLab(**dirs))
             pipeline = Pipeline(sim, dirs, work, args.interval)
             stack.callback(pipeline.close)
-            print(f"simulated node: {gpus} GPU(s) of 8 GiB; agent interval {args.interval:g} s; "
+            print(f"simulated node: {GPUS} GPUs of 8 GiB; agent interval {args.interval:g} s; {repeats} repeats; "
                   f"set up in {time.monotonic() - started:.1f} s", flush=True)
             for mix in chosen:
-                per_mix[mix] = {}
-                for mode in modes:
-                    t = time.monotonic()
-                    run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s)
-                    per_mix[mix][mode] = run.execute()
-                    print(f"  {mix} / {mode}: {time.monotonic() - t:.1f} s, "
-                          f"jobs {json.dumps(per_mix[mix][mode]['jobs'])}", flush=True)
+                runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+                for repeat in range(repeats):  # modes interleaved: a slow spell of the VM hits all of them
+                    for mode in modes:
+                        t = time.monotonic()
+                        run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s,
+                                  repeat=repeat)
+                        result = run.execute()
+                        runs[mode].append(result)
+                        print(f"  {mix} / {mode} #{repeat + 1}: {time.monotonic() - t:.1f} s, "
+                              f"{json.dumps({k: result[k] for k in KEYS})} jobs {json.dumps(result['jobs'])}",
+                              flush=True)
+                per_mix[mix] = {mode: aggregate(results) for mode, results in runs.items()}
             if pipeline.errors:
                 print(f"enforcement errors: {pipeline.errors[:5]}", flush=True)
     finally:
@@ -547,9 +598,8 @@ def main() -> int:
         print(table(mix, results))
         print()
     print(f"total {time.monotonic() - started:.1f} s")
-    oversubscribed = {mix: results for mix, results in per_mix.items() if mix in OVERSUBSCRIBED}
-    summary = {"modes": combine(oversubscribed or per_mix, modes), "quick": args.quick,
-               "mixes": {mix: {mode: {k: v for k, v in m.items() if k != "jobs"} for mode, m in results.items()}
+    summary = {"modes": combine(per_mix, modes), "quick": args.quick, "repeats": repeats,
+               "mixes": {mix: {mode: {k: v for k, v in m.items() if k != "runs"} for mode, m in results.items()}
                          for mix, results in per_mix.items()}}
     print(json.dumps(summary))
     return 0

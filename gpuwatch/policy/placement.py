@@ -1,0 +1,48 @@
+"""Which GPU of a node a new job goes to (pure; no I/O).
+
+A job declares its memory demand (its whole footprint: its pod's gpu_memory limit, the CUDA
+context included). The node's memory arbitration (arbitration.py) promises each admitted job
+all it declared, so a GPU's load is the demand promised to the jobs placed there and not
+finished -- not the memory they hold yet (a job warming up holds less than it will).
+
+Rule: the GPU where the demand fits in the memory not yet promised, with the most of it left
+(spread: a job that shares meets the fewest co-tenants); when it fits nowhere, the GPU with
+the most unpromised memory that still holds the job's CUDA context (`context_bytes`): the
+context is made at the job's start, before any allocation the kernel probes can stop, so
+it must fit beside every promise -- the arbitration then queues the rest of the job there
+until memory frees (over-admission, with the context as the safety margin). When not even
+the context fits anywhere, None: the job waits at the node (a pending pod). Ties: fewer
+jobs, then the lower index. Deterministic, so a benchmark's modes see the same placement
+for the same arrivals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    """One GPU as placement sees it."""
+
+    index: int
+    capacity_bytes: int
+    promised_bytes: int  # declared demand of the jobs placed on it and not finished
+    jobs: int = 0
+
+    @property
+    def unpromised_bytes(self) -> int:
+        return self.capacity_bytes - self.promised_bytes
+
+
+def choose_gpu(demand_bytes: int, gpus: Sequence[GpuLoad], context_bytes: int = 0) -> int | None:
+    """The index of the GPU a job of `demand_bytes` goes to, or None: it waits at the node
+    (see the module docstring). A job placed where it does not fit promises its GPU its
+    context only, until the arbitration admits the rest."""
+    fitting = [g for g in gpus if g.unpromised_bytes >= demand_bytes]
+    if not fitting:
+        fitting = [g for g in gpus if g.unpromised_bytes >= context_bytes]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda g: (-g.unpromised_bytes, g.jobs, g.index)).index
