@@ -1,9 +1,14 @@
-"""benchmarks/bench_sharing.py --quick runs to the end: real runc pods on the simulated node,
-the in-process agent pipeline with the kernel probes, all four modes.
+"""benchmarks/bench_sharing.py --quick runs to the end: real runc pods on the simulated 4-GPU
+node, the in-process agent pipeline with the kernel probes, the managed modes (static,
+adaptive, elastic) on the trace-shaped heterogeneous mix, twice each (interleaved).
 
-What the modes measure depends on the machine, so completion and the managed modes' safety
-are asserted: every job of every mode finished, the table and the JSON line came out with the
-issue's keys, and no managed mode (static, adaptive, elastic) let a job run into OOM."""
+Asserted: every job of every run finished, the table and the JSON line came out with the
+issue's keys, no managed mode let a job run into OOM, and the orderings that held with a
+margin over repeated runs on the 2-core VM (README "Performance"): adaptive's makespan within
+5 % of static's or better (measured 19 % better) and its memory utilisation higher; elastic's
+time to 95 % progress within 5 % of adaptive's or better (measured 9 % better). Adaptive vs
+static on *average* completion measured +1 % -- inside the noise, so it is printed, not
+asserted (see the README for why)."""
 
 from __future__ import annotations
 
@@ -30,14 +35,15 @@ def test_bench_sharing_quick_completes_with_a_table_and_the_json_line() -> None:
     need_bcc()
     need_binary("runc", "runc")
     out = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=240, check=False)
+                         timeout=300, check=False)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "Traceback" not in text, text
     assert re.search(r"^mode\s+avg completion s\s+makespan s\s+mem util\s+OOM\s+t95 progress s\s+done", out.stdout,
                      re.M), text
+    print(out.stdout[-1500:])
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(summary["modes"]) == {"none", "static", "adaptive", "elastic"}, summary
+    assert set(summary["modes"]) == {"static", "adaptive", "elastic"}, summary
     for mode, values in summary["modes"].items():
         assert set(values) == KEYS, (mode, values)
     for mix, modes in summary["mixes"].items():
@@ -46,3 +52,7 @@ def test_bench_sharing_quick_completes_with_a_table_and_the_json_line() -> None:
             assert done == total, (mix, mode, values)
             if mode != "none":
                 assert values["oom_failures"] == 0, (mix, mode, values)
+    m = summary["modes"]
+    assert m["adaptive"]["makespan_s"] <= 1.05 * m["static"]["makespan_s"], m
+    assert m["adaptive"]["mem_util"] > m["static"]["mem_util"], m
+    assert m["elastic"]["t95_progress_s"] <= 1.05 * m["adaptive"]["t95_progress_s"], m
