@@ -39,6 +39,7 @@ from gpuwatch.model import (
     ContainerProgress,
     ContainerUsage,
     ContainerXid,
+    DeviceFields,
     DeviceInfo,
     GpuHealth,
     GpuLink,
@@ -84,6 +85,13 @@ def _probe_to_dict(probe: ProbeCounters) -> dict[str, Any]:
     for f in dataclasses.fields(probe):
         if str(f.type).startswith("tuple[tuple["):
             out[f.name] = {str(key): value for key, value in getattr(probe, f.name)}
+    return out
+
+
+def _device_to_dict(device: DeviceInfo) -> dict[str, Any]:
+    """A device; its DCGM-style field readings (a nested dataclass) as an object or null."""
+    out = _flat(device)
+    out["fields"] = _flat(device.fields) if device.fields is not None else None
     return out
 
 
@@ -176,7 +184,7 @@ def snapshot_to_dict(snapshot: Snapshot, wall_s: float | None = None) -> dict[st
         "simulated": snapshot.simulated,
         "gpu_up": snapshot.gpu_up,
         "gpu_error": snapshot.gpu_error,
-        "devices": [_flat(d) for d in snapshot.devices],
+        "devices": [_device_to_dict(d) for d in snapshot.devices],
         "containers": [_container_to_dict(c) for c in snapshot.containers],
         "pods": [_flat(g) for g in snapshot.pods],
         "namespaces": [_flat(g) for g in snapshot.namespaces],
@@ -251,6 +259,12 @@ def _flat_from(cls: type[T], data: Any, where: str, **overrides: Any) -> T:
 
 def _nan_if_none(value: Any) -> float:
     return math.nan if value is None else float(value)
+
+
+def _device_from(data: Any, where: str) -> DeviceInfo:
+    fields = _expect_dict(data, where).get("fields")
+    nested = None if fields is None else _flat_from(DeviceFields, fields, f"{where}.fields")
+    return _flat_from(DeviceInfo, data, where, fields=nested)
 
 
 def _probe_from(data: Any, where: str) -> ProbeCounters:
@@ -341,7 +355,7 @@ def snapshot_from_dict(data: Any) -> Snapshot:
 
     special: dict[str, Any] = {
         "timestamp_s": _nan_if_none(data.get("timestamp_s", 0.0)),
-        "devices": tuple(_flat_from(DeviceInfo, d, f"devices[{i}]") for i, d in enumerate(items("devices"))),
+        "devices": tuple(_device_from(d, f"devices[{i}]") for i, d in enumerate(items("devices"))),
         "containers": tuple(_container_from(c, f"containers[{i}]")
                             for i, c in enumerate(items("containers"))),
         "pods": tuple(_flat_from(GroupUsage, g, f"pods[{i}]") for i, g in enumerate(items("pods"))),

@@ -11,6 +11,7 @@ import pytest
 from gpuwatch.model import (
     HOST_IDENTITY,
     ContainerIdentity,
+    DeviceFields,
     ProbeCounters,
     Snapshot,
 )
@@ -52,6 +53,18 @@ def test_round_trip_with_every_optional_part_set() -> None:
     fields = {f.name for f in dataclasses.fields(Snapshot)}
     if "probe_identities" in fields:
         snap = dataclasses.replace(snap, probe_identities=((4242, labelled),))  # type: ignore[call-arg]
+    assert loads(dumps(snap)) == snap
+
+
+def test_round_trip_of_a_device_with_its_dcgm_field_readings() -> None:
+    """DeviceInfo.fields is a nested dataclass: /snapshot.json must encode it (a plain field
+    walk handed json a DeviceFields object: the agent answered 500) and read it back."""
+    names = [f.name for f in dataclasses.fields(DeviceFields)]
+    readings = DeviceFields(**{name: None for name in names})
+    readings = dataclasses.replace(readings, **{names[0]: 7, names[-1]: 3})
+    snap = dataclasses.replace(sample_snapshot(), devices=(dataclasses.replace(device(0), fields=readings),))
+    doc = json.loads(dumps(snap))
+    assert doc["devices"][0]["fields"][names[0]] == 7
     assert loads(dumps(snap)) == snap
 
 
