@@ -5,12 +5,14 @@ Sources: the explicit configured paths (or, when none are configured, the ld cac
 through /proc/<pid>/root, so a container's own copy is found in its root filesystem), and
 the usual library directories inside container root filesystems (/proc/<pid>/root). Copies
 are deduplicated by (st_dev, st_ino): a uprobe is per inode, so one attachment serves every
-process and container that maps that file.
+process and container that maps that file. Only regular files are kept (stat, never open):
+BCC opens what it attaches to, and a container could plant a FIFO or a device under that name.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -123,9 +125,11 @@ def discover(configured: Iterable[str] = (), proc_root: Path = Path("/proc"),
     copies: dict[tuple[int, int], LibraryCopy] = {}
     for path in candidates:
         try:
-            st = os.stat(path)
+            st = os.stat(path)  # no open: a device planted as "libcuda.so" in a container is never opened
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # BCC would open it to read symbols (a FIFO blocks, a watchdog device arms)
         key = (st.st_dev, st.st_ino)
         if key not in copies:
             copies[key] = LibraryCopy(path=path, dev=st.st_dev, ino=st.st_ino)

@@ -19,13 +19,15 @@ kept. (A writer without newlines cannot be told from a half-written number; use 
 How a file is read (`read_progress_file`), for each container that declared one:
 * through /proc/<pid>/root of one of its GPU processes (the next one if that pid is gone),
   so the path means what it means inside the container: its mount namespace, its volumes;
-* with openat2(2) RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS relative to that root: symlinks
-  inside the container resolve as the job sees them, but "/" and ".." stop at the
-  container's root, so no link leads the agent to a host file, and /proc magic links are
-  refused. Without openat2 (kernel < 5.6, or a seccomp filter) every path component is
-  opened with O_NOFOLLOW one at a time, refusing every symlink ("symlink");
-* O_NONBLOCK (a FIFO never blocks the agent), regular files only, MAX_PROGRESS_BYTES + 1
-  bytes read at most.
+* by gpuwatch/containerfile.py, the one reader of files inside containers: resolved with
+  openat2(2) RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS (symlinks resolve as the job sees
+  them, "/" and ".." stop at the container's root, /proc magic links are refused; without
+  openat2 every symlink is refused), opened O_PATH and checked to be a regular file of an
+  ordinary filesystem before it is opened for reading (no device, FIFO, socket, procfs or
+  sysfs file), and read on a helper thread holding the process's fsuid, fsgid, groups and
+  effective capabilities: the job's own file, or one it could read itself, nothing more;
+* O_NONBLOCK, MAX_PROGRESS_BYTES + 1 bytes read at most. Errors name the path and the
+  problem, never the content.
 A failed read never stops anything: the last good value is kept and the error is counted
 by reason (`ERROR_REASONS`).
 
@@ -38,11 +40,7 @@ reads ~0), and `rate_per_second` = the same per wall second (proportional to its
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import math
-import os
-import stat
 import time
 from array import array
 from collections import Counter, deque
@@ -51,6 +49,7 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import NamedTuple
 
+from gpuwatch.containerfile import ContainerFileError, read_container_file
 from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage
 
 PROGRESS_FILE_ANNOTATION = "gpuwatch.io/progress-file"
@@ -70,6 +69,7 @@ ERROR_REASONS = (
     "empty",  # caught between a truncate and a write
     "partial",  # a value without the newline this writer's values end with
     "garbage",  # not a finite number
+    "rights",  # the process's file rights could not be taken (refused, not read as root)
 )
 
 
@@ -175,139 +175,23 @@ def parse_progress_value(data: bytes, expect_newline: bool = False) -> ProgressR
     try:
         value = float(words[0])
     except ValueError as err:
-        raise ProgressReadError("garbage", f"{words[0][:32]!r} is not a number") from err
+        raise ProgressReadError("garbage", "the first word of the first line is not a number") from err
     if not math.isfinite(value):
-        raise ProgressReadError("garbage", f"{words[0][:32]!r} is not a finite number")
+        raise ProgressReadError("garbage", "the first word of the first line is not a finite number")
     return ProgressReading(value, newline)
-
-
-_SYS_OPENAT2 = 437  # one number on every architecture (the unified syscall table, Linux 5.6)
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_libc: ctypes.CDLL | None = None
-_openat2_works: bool | None = None  # None: not tried yet
-
-
-def _openat2(dir_fd: int, path: str, flags: int) -> int:
-    """openat2(dir_fd, path, {flags, resolve: IN_ROOT | NO_MAGICLINKS}); OSError on failure."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    for _ in range(3):  # EAGAIN: a rename raced with the lookup; the kernel asks to retry
-        fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
-                           ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-        if fd >= 0:
-            return int(fd)
-        err = ctypes.get_errno()
-        if err != errno.EAGAIN:
-            break
-    raise OSError(err, os.strerror(err), path)
-
-
-def _open_walk(root_fd: int, path: str, flags: int) -> int:
-    """Open `path` below root_fd one component at a time, refusing every symlink."""
-    parts = [p for p in path.split("/") if p]
-    current = os.dup(root_fd)
-    try:
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            mode = flags | os.O_NOFOLLOW if last else os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                nxt = os.open(part, mode, dir_fd=current)
-            except OSError as err:
-                if err.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(part, current):
-                    raise OSError(errno.ELOOP, "a symlink (refused without openat2)", path) from err
-                raise
-            os.close(current)
-            current = nxt
-        result, current = current, -1
-        return result
-    finally:
-        if current >= 0:
-            os.close(current)
-
-
-def _is_symlink(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _open_in_root(root_fd: int, path: str, resolver: str) -> int:
-    global _openat2_works
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-    relative = path.lstrip("/")
-    if resolver == "openat2" or (resolver == "auto" and _openat2_works is not False):
-        try:
-            fd = _openat2(root_fd, relative, flags)
-        except OSError as err:
-            if resolver == "auto" and err.errno in (errno.ENOSYS, errno.EPERM) and _openat2_works is None:
-                _openat2_works = False  # no openat2 here (old kernel, seccomp): walk from now on
-            else:
-                raise
-        else:
-            _openat2_works = True
-            return fd
-    return _open_walk(root_fd, relative, flags)
-
-
-_ERRNO_REASONS = {
-    errno.ENOENT: "missing",
-    errno.ENOTDIR: "missing",
-    errno.ELOOP: "symlink",
-    errno.EXDEV: "symlink",
-    errno.EACCES: "unreadable",
-    errno.EPERM: "unreadable",
-}
 
 
 def read_progress_file(proc_root: str, pid: int, path: str, max_bytes: int = MAX_PROGRESS_BYTES,
                        resolver: str = "auto") -> bytes:
-    """The bytes of `path` as process `pid` sees it (its root: /proc/<pid>/root), read safely
-    (module docstring). Raises ProgressReadError. `resolver`: "auto" (openat2 where the
-    kernel has it, else the O_NOFOLLOW walk), "openat2" or "walk" (tests)."""
+    """The bytes of `path` as process `pid` sees it and may read it, through the one safe
+    container-file reader (gpuwatch/containerfile.py: resolved in its root, typed on an O_PATH
+    fd before any open, read with its fsuid/fsgid/groups). Raises ProgressReadError.
+    `resolver`: "auto" (openat2 where the kernel has it, else the O_NOFOLLOW walk),
+    "openat2" or "walk" (tests)."""
     try:
-        root_fd = os.open(os.path.join(proc_root, str(pid), "root"), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as err:
-        raise ProgressReadError("pid_gone", f"process {pid}: {err.strerror}") from err
-    try:
-        try:
-            fd = _open_in_root(root_fd, path, resolver)
-        except OSError as err:
-            reason = _ERRNO_REASONS.get(err.errno or 0, "unreadable")
-            raise ProgressReadError(reason, f"{path}: {err.strerror}") from err
-    finally:
-        os.close(root_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ProgressReadError("not_regular", f"{path} is not a regular file")
-        if st.st_size > max_bytes:
-            raise ProgressReadError("too_large", f"{path} has {st.st_size} bytes (at most {max_bytes})")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= max_bytes:  # a file that grows while read stops at the cap, too
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > max_bytes:
-            raise ProgressReadError("too_large", f"{path} has more than {max_bytes} bytes")
-        return b"".join(chunks)
-    except OSError as err:
-        raise ProgressReadError("unreadable", f"{path}: {err.strerror}") from err
-    finally:
-        os.close(fd)
+        return read_container_file(proc_root, pid, path, max_bytes, resolver)
+    except ContainerFileError as err:
+        raise ProgressReadError(err.reason, err.detail) from err
 
 
 # ---- the tracker: the source the sampler calls ----------------------------------------------

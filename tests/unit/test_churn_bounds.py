@@ -29,6 +29,7 @@ from gpuwatch.model import (
 from gpuwatch.signals.collector import SignalCollector
 from gpuwatch.signals.kmsg import KmsgReader
 from gpuwatch.signals.progress import ProgressTracker
+from tests.unit.proc_status import write_status
 
 GPU = "GPU-fake-0"
 
@@ -157,6 +158,7 @@ def test_progress_history_of_gone_containers_is_compact_and_bounded(tmp_path: Pa
 def test_progress_history_comes_back_whole_within_retention(tmp_path: Path) -> None:
     root = tmp_path / "42" / "root"
     root.mkdir(parents=True)
+    write_status(tmp_path / "42")
     (root / "loss").write_text("4\n")
     tracker = ProgressTracker(str(tmp_path), retention_s=100.0, window_s=30.0)
     a = declared(1)

@@ -22,6 +22,7 @@ from gpuwatch.signals.progress import (
     progress_annotations,
     read_progress_file,
 )
+from tests.unit.proc_status import write_status
 
 RESOLVERS = ["openat2", "walk"]
 
@@ -33,6 +34,7 @@ def tree(tmp_path: Path) -> tuple[Path, Path]:
     (proc / "42").mkdir(parents=True)
     (ctr / "train").mkdir(parents=True)
     (proc / "42" / "root").symlink_to(ctr)
+    write_status(proc / "42")
     return proc, ctr
 
 

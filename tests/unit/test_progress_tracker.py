@@ -17,6 +17,7 @@ from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage,
 from gpuwatch.sampler import Sampler
 from gpuwatch.signals.progress import ProgressTracker, progress_request_of
 from tests.unit.gpu_fakes import GIB, FakeResolver, FakeWorld, container, factory_for
+from tests.unit.proc_status import write_status
 from tests.unit.test_tui_samples import sample_snapshot
 
 FILE, GOAL = "gpuwatch.io/progress-file", "gpuwatch.io/progress-goal"
@@ -43,6 +44,7 @@ class Fixture:
         (root / "out").mkdir(parents=True, exist_ok=True)
         (self.proc / str(pid)).mkdir(parents=True, exist_ok=True)
         (self.proc / str(pid) / "root").symlink_to(root)
+        write_status(self.proc / str(pid))
         return root
 
 
