@@ -13,7 +13,7 @@ import sys
 import click
 
 from gpuwatch.model import ContainerIdentity
-from gpuwatch.policy.loader import check_policy_text, load_policy, read_policy_text
+from gpuwatch.policy.loader import check_policy_text, load_policy, read_policy_text, total_problems
 from gpuwatch.policy.match import select_rule
 from gpuwatch.policy.model import Rule
 
@@ -40,7 +40,7 @@ def check_cmd(file: str) -> None:
     if issues or loaded is None:
         for issue in issues:
             click.echo(str(issue), err=True)
-        click.echo(f"{file}: {len(issues)} problem(s); the running policy (if any) stays in place", err=True)
+        click.echo(f"{file}: {total_problems(issues)} problem(s); the running policy (if any) stays in place", err=True)
         sys.exit(1)
     click.echo(
         f"{file}: OK — {len(loaded.rules)} rule(s), {len(loaded.namespace_quotas)} namespace quota(s), "

@@ -92,9 +92,20 @@ class PolicyIssue:
     line: int
     message: str
     fix: str
+    more: int = 0  # > 0 only on the closing "N more problem(s)" entry of a capped list
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.message}; fix: {self.fix}"
+
+
+MAX_KEPT_ISSUES = 100
+"""At most this many problems are kept per check (the rest are only counted): a 1 MiB file of
+bad rules must not cost the agent tens of MiB of messages nobody reads."""
+
+
+def total_problems(issues: list[PolicyIssue]) -> int:
+    """How many problems a (possibly capped) issue list stands for."""
+    return sum(i.more if i.more else 1 for i in issues)
 
 
 class _Reader:
@@ -103,14 +114,32 @@ class _Reader:
     def __init__(self, file: str) -> None:
         self.file = file
         self.issues: list[PolicyIssue] = []
+        self.dropped = 0  # problems found after MAX_KEPT_ISSUES were kept
         self._constructor = SafeConstructor()
 
     def issue(self, node: Node | None, message: str, fix: str) -> None:
+        if len(self.issues) >= MAX_KEPT_ISSUES:
+            self.dropped += 1
+            return
         line = node.start_mark.line + 1 if node is not None else 1
         self.issues.append(PolicyIssue(self.file, line, message, fix))
 
+    def result(self) -> list[PolicyIssue]:
+        """The kept issues by line, and one closing entry counting the dropped ones."""
+        issues = sorted(self.issues, key=lambda i: i.line)
+        if self.dropped:
+            issues.append(PolicyIssue(self.file, issues[-1].line if issues else 1,
+                                      f"{self.dropped} more problem(s) not listed (only the first "
+                                      f"{MAX_KEPT_ISSUES} are kept)", "fix the ones above and check again",
+                                      more=self.dropped))
+        return issues
+
     def scalar(self, node: Node) -> object:
-        return self._constructor.construct_object(node, deep=True)
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        finally:  # its node -> object cache would keep every node of the file alive
+            self._constructor.constructed_objects.clear()
+            self._constructor.recursive_objects.clear()
 
     def mapping(self, node: Node, what: str, allowed: tuple[str, ...]) -> dict[str, tuple[Node, Node]] | None:
         """Key -> (key node, value node); flags non-mappings, duplicate and unknown keys."""
@@ -730,11 +759,100 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
     return ElasticSettings(**values) if ok else None  # type: ignore[arg-type]
 
 
-def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None, list[PolicyIssue]]:
-    """Validate policy YAML text; return (policy or None, every issue found)."""
-    reader = _Reader(file)
+class _RulesParser:
+    """Parses `rules:` items one at a time as the YAML composer produces them, so that only
+    one rule's node tree is alive at a time (a 1 MiB file of 12k rules composed whole is
+    ~85 MiB of nodes)."""
+
+    def __init__(self, reader: _Reader) -> None:
+        self.reader = reader
+        self.rules: list[Rule] = []
+        self.count = 0
+        self.names: dict[str, int] = {}
+        self.seen_default: int | None = None
+
+    def __call__(self, item: Node) -> None:
+        rule = _parse_rule(self.reader, item, self.count, self.names)
+        self.count += 1
+        if rule is None:
+            return
+        if self.seen_default is not None:
+            self.reader.issue(
+                item,
+                f"rule {rule.name!r} can never match: the catch-all rule on line {self.seen_default} comes first",
+                "move the `default: true` rule to the end",
+            )
+        if rule.selector.default:
+            self.seen_default = rule.line
+        self.rules.append(rule)
+
+
+class _StreamingLoader(yaml.SafeLoader):
+    """SafeLoader whose top-level `rules:` sequence hands each item to `on_item` and keeps
+    none (the composed sequence node stays empty; `streamed` says it was)."""
+
+    def __init__(self, text: str, on_item: Callable[[Node], None]) -> None:
+        super().__init__(text)
+        self._on_item = on_item
+        self._depth = 0
+        self.streamed = False
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        key: object = index  # a mapping passes its key node here (the stubs say int)
+        if (self._depth == 1 and isinstance(key, ScalarNode) and key.value == "rules"
+                and not self.streamed and self.check_event(yaml.SequenceStartEvent)):
+            return self._compose_items()
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_items(self) -> Node:
+        start = self.get_event()
+        node = SequenceNode("tag:yaml.org,2002:seq", [], start.start_mark, None, flow_style=start.flow_style)
+        if start.anchor is not None:
+            self.anchors[start.anchor] = node
+        self.streamed = True
+        self._depth += 2
+        try:
+            index = 0
+            while not self.check_event(yaml.SequenceEndEvent):
+                item = self.compose_node(node, index)
+                assert item is not None
+                self._on_item(item)
+                index += 1
+        finally:
+            self._depth -= 2
+        node.end_mark = self.get_event().end_mark
+        return node
+
+
+def _compose(text: str, on_rule: Callable[[Node], None]) -> tuple[Node | None, bool]:
+    """(the document's root node, whether its rules were streamed to on_rule)."""
+    loader = _StreamingLoader(text, on_rule)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        return loader.get_single_node(), loader.streamed
+    finally:
+        loader.dispose()
+
+
+def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None, list[PolicyIssue]]:
+    """Validate policy YAML text; return (policy or None, the issues found: at most
+    MAX_KEPT_ISSUES, then one entry counting the rest). Input nested too deeply to parse is
+    an issue, not a RecursionError."""
+    try:
+        return _check_policy_text(text, file)
+    except RecursionError:
+        return None, [PolicyIssue(file, 1, "nested too deeply to parse",
+                                  "flatten the YAML (a policy is a few levels deep)")]
+
+
+def _check_policy_text(text: str, file: str) -> tuple[Policy | None, list[PolicyIssue]]:
+    reader = _Reader(file)
+    streamed_rules = _RulesParser(reader)
+    try:
+        root, streamed = _compose(text, streamed_rules)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -752,7 +870,7 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
         return None, [PolicyIssue(file, 1, "the policy file is empty", "add at least `rules:` with one rule")]
     keys = reader.mapping(root, "the policy", TOP_KEYS)
     if keys is None:
-        return None, reader.issues
+        return None, reader.result()
     if "version" in keys:
         version = reader.scalar(keys["version"][1]) if isinstance(keys["version"][1], ScalarNode) else None
         if version != 1:
@@ -781,24 +899,14 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
     if "rules" not in keys:
         reader.issue(root, "the policy has no `rules:`", "add `rules:` with at least one rule")
     else:
-        items = reader.sequence(keys["rules"][1], "rules", "- name: default ...")
-        if items is not None and not items:
-            reader.issue(keys["rules"][1], "`rules` is empty", "add at least one rule")
-        names: dict[str, int] = {}
-        seen_default: int | None = None
-        for index, item in enumerate(items or []):
-            rule = _parse_rule(reader, item, index, names)
-            if rule is None:
-                continue
-            if seen_default is not None:
-                reader.issue(
-                    item,
-                    f"rule {rule.name!r} can never match: the catch-all rule on line {seen_default} comes first",
-                    "move the `default: true` rule to the end",
-                )
-            if rule.selector.default:
-                seen_default = rule.line
-            rules.append(rule)
+        if streamed:
+            if not streamed_rules.count:
+                reader.issue(keys["rules"][1], "`rules` is empty", "add at least one rule")
+            rules = streamed_rules.rules
+        else:
+            items = reader.sequence(keys["rules"][1], "rules", "- name: default ...")
+            if items is not None and not items:
+                reader.issue(keys["rules"][1], "`rules` is empty", "add at least one rule")
     quotas: list[NamespaceQuota] = []
     if "namespace_quotas" in keys:
         items = reader.sequence(keys["namespace_quotas"][1], "namespace_quotas", "- namespace: team-a ...")
@@ -807,7 +915,7 @@ def check_policy_text(text: str, file: str = "<policy>") -> tuple[Policy | None,
             if quota is not None:
                 quotas.append(quota)
     if reader.issues:
-        return None, sorted(reader.issues, key=lambda i: i.line)
+        return None, reader.result()
     return Policy(
         rules=tuple(rules),
         namespace_quotas=tuple(quotas),
@@ -855,16 +963,14 @@ def load_policy(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> Policy:
     """Read (read_policy_text) and validate a policy file; raise PolicyError listing the problems."""
     file = str(path)
     text = read_policy_text(path, max_bytes)
-    try:
-        policy, issues = check_policy_text(text, file)
-    except RecursionError:
-        raise PolicyError(f"{file}: nested too deeply to parse", fix="flatten the YAML") from None
+    policy, issues = check_policy_text(text, file)
     if policy is None:
-        listed = "\n".join(str(i) for i in issues[:MAX_LISTED_ISSUES])
-        if len(issues) > MAX_LISTED_ISSUES:
-            listed += f"\n... and {len(issues) - MAX_LISTED_ISSUES} more"
+        total = total_problems(issues)
+        listed = "\n".join(str(i) for i in issues[:MAX_LISTED_ISSUES] if not i.more)
+        if total > MAX_LISTED_ISSUES:
+            listed += f"\n... and {total - min(MAX_LISTED_ISSUES, len(issues))} more"
         raise PolicyError(
-            f"{len(issues)} problem(s) in {file}:\n" + listed,
+            f"{total} problem(s) in {file}:\n" + listed,
             fix=f"run `gpuwatch policy check {file}`",
         )
     return policy
