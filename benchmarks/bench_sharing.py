@@ -2,58 +2,43 @@
 adaptive fair share + execution rescheduling (Chen et al. 2019) vs that + progress-aware
 elastic GPU time (FlowCon).
 
-    sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--mixes homogeneous,heterogeneous]
-                                                       [--modes none,static,adaptive,elastic]
+    sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--repeats N]
+                         [--mixes heterogeneous,memory-heavy,long-tail] [--modes none,static,adaptive,elastic]
 
-On the simulated GPU node (gpuwatch/sim: kernels contend for a per-device engine, memory is
-a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when full) it runs job mixes in real
-runc containers (pods in namespace `bench`), each job a `gpuwatch sim run` with a fixed
-amount of GPU work (--work-s, GPU-seconds of kernels), memory it allocates in steps while it
-works (as a framework that grows its pool), and a loss curve of the work done that it writes
-to a progress file declared with the gpuwatch.io/progress-file annotation. The agent's
-pipeline runs in this process exactly as `gpuwatch agent --policy` wires it -- the sampler
-(NVML of the simulated node, container identities from the runc bundles, progress files read
-through /proc/<pid>/root), the kernel probes (BCC: uprobes on the simulated libcuda; the
-limit map that stops an allocation at the kernel), the enforcer with its actions (cgroup
-freezer, closed-loop throttle) -- with one policy per mode:
+On the simulated GPU node (gpuwatch/sim: 4 GPUs of 8 GiB; kernels contend for each device's
+engine, time-sliced; memory is a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when
+full) it runs job mixes in real runc containers (pods in namespace `bench`), each job a
+`gpuwatch sim run` shaped like a training job (benchmarks/sharing_mixes.py, from the Alibaba
+PAI and Philly traces): GPU work at a duty (the rest of each step waits for input), a pause
+every 1.5 GPU-seconds (a checkpoint save), memory grown in 3 steps while it warms up and then
+held, a loss curve of the work done in a progress file declared with the
+gpuwatch.io/progress-file annotation. A job's memory is its whole footprint as its pod's rule
+declares it: its CUDA context (518 MiB as on an H100, passed explicitly: --context-mib) and
+data in whole 2 MiB pages. Jobs arrive 0.3 s apart and are placed on a GPU at arrival by
+gpuwatch/policy/placement.py (the same rule in every mode: spread by declared demand; a job
+that fits nowhere waits on a GPU where its context fits beside every promise, or at the
+node). The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
+it (sampler, kernel probes with the limit map, enforcer with freezer and throttle), with one
+policy per mode:
 
-* none: a catch-all rule without limits; nothing is managed. A job whose allocation finds
-  the GPU full gets CUDA_ERROR_OUT_OF_MEMORY and fails (exit 2); it is resubmitted after a
-  second from scratch, as a user's retry would (the sim job keeps no checkpoint of its own);
+* none: a catch-all rule without limits. A job whose allocation finds the GPU full gets
+  CUDA_ERROR_OUT_OF_MEMORY and fails (exit 2); it is resubmitted from scratch after a second;
 * static: fair share with `split: equal` -- a job may hold at most the GPU / the jobs holding
-  memory (counting itself); beyond it, it waits (stopped at the allocation, frozen) until
-  that part has grown;
-* adaptive: fair share with `split: demand` and execution rescheduling: jobs are admitted in
-  priority then arrival order for their whole declared demand (each pod's rule sets
-  gpu_memory to what the job will use: `rescheduling.demand_from_limit`), those that do not
-  fit wait frozen at their first allocation and are resumed in order as memory frees;
-* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency
-  (progress per GPU-second against each job's early rate) through the throttle.
+  memory (counting itself); beyond it, it waits (stopped at the allocation, frozen);
+* adaptive: fair share with `split: demand` and execution rescheduling: jobs admitted in
+  priority then arrival order for their whole declared demand, the rest wait frozen at their
+  first allocation and are resumed in order as memory frees (a deadlock is broken by
+  checkpoint-then-kill, never by OOM);
+* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency.
 
-Mixes (one GPU of 8 GiB): homogeneous -- 4 identical jobs (3 GiB, exp loss curve);
-heterogeneous -- 4 jobs with different memory (2-3 GiB), work and curves (fast- and
-slow-converging exp, linear). A job's memory is its whole footprint on the GPU, as
-nvidia-smi shows it and as its pod's rule declares it: its CUDA context (CONTEXT_MIB, 518
-MiB as on an H100, passed to the sim explicitly: --context-mib) and the data it grows in
-steps (the rest, in steps of whole 2 MiB pages, so a 3 GiB job holds 3068 MiB). Jobs arrive
-0.3 s apart (arrival order = queue order). The combined demand is 12 / 10 GiB: two, then
-three jobs fit at a time. A context is made at the job's start, before any allocation the
-probes can stop, so a job waiting for admission holds its context already. A third mix, converging
-(3 jobs, 6 GiB: not oversubscribed; one job flat after a fifth of its work), shows the
-elastic controller where no memory queue holds it off; it is reported on its own and not
-averaged into the JSON line's "modes".
+Per run: average job completion (arrival to done), makespan, time-averaged GPU memory
+utilisation of the node, OOM failures, mean time to 95 % of each job's final progress. Each
+mix runs every mode `--repeats` times (modes interleaved within a repeat, so a slow spell of
+the VM hits all of them); the table gives means and ±half the spread, then one JSON line with
+"modes" (means over the mixes) and "mixes" (per mix, with *_spread and the repeats).
 
-Per mode: average job completion time (submission to done, over jobs), makespan, time-
-averaged GPU memory utilisation (the simulated ledger, sampled every 0.1 s), OOM failures
-(jobs that exited on CUDA_ERROR_OUT_OF_MEMORY), and the time for each job to reach 95% of its
-final progress (|loss - start|, from its progress file polled every 0.1 s; a resubmission
-from scratch starts it over), averaged. One table per mix, then one JSON line:
-{"modes": {"none": {...}, ...}} with avg_completion_s, makespan_s, mem_util, oom_failures,
-t95_progress_s over the oversubscribed mixes (averages of the mixes; OOM failures summed), and
-"mixes" with the same per mix.
-
-Needs root, runc and BCC. `--quick` (CI smoke run, < 60 s): the heterogeneous mix with a
-fraction of the work. Everything started is stopped, and the temp directory removed, on exit.
+Needs root, runc and BCC. `--quick` (CI, ~2 min): the heterogeneous mix at 0.6 of the work,
+the managed modes, 2 repeats. Everything started is stopped, the temp directory removed.
 """
 
 from __future__ import annotations
