@@ -4,8 +4,9 @@ The file is composed (not just parsed) with PyYAML so every node keeps its `star
 validation walks the nodes and records *every* problem as `FILE:LINE: what; fix: how`
 instead of stopping at the first. `load_policy()` raises one PolicyError listing all of
 them; `check_policy_text()` returns them for `gpuwatch policy check`. The file itself is
-read by `read_policy_text()`: regular files only, at most 1 MiB, never blocking (a FIFO,
-/dev/zero behind a symlink or a directory is refused with a clear error).
+read by `read_policy_text()`: resolved only below its own directory (a symlink to /etc/shadow
+is refused unread; a ConfigMap's ..data link works), regular files only, at most 1 MiB, never
+blocking (a FIFO, /dev/zero behind a symlink or a directory is refused with a clear error).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from gpuwatch.policy.units import (
     parse_ratio,
     parse_size,
 )
-from gpuwatch.safeio import RefusedFile, read_regular_file
+from gpuwatch.safeio import RefusedFile, read_file_beneath
 
 T = TypeVar("T")
 
@@ -936,17 +937,20 @@ MAX_LISTED_ISSUES = 50
 
 
 def read_policy_text(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> str:
-    """The text of a policy file, read so that it can neither hang nor flood the reader:
-    symlinks resolved then opened with O_NOFOLLOW|O_NONBLOCK, regular files only (a FIFO,
-    a device such as /dev/zero, a directory are refused), at most `max_bytes` (checked with
-    fstat before reading and while reading). PolicyError says what is wrong."""
+    """The text of a policy file, read so that it can neither hang, flood nor leak: resolved
+    only below the file's own directory (safeio.read_file_beneath: a ConfigMap's ..data link
+    works, a symlink to /etc/shadow or anything else outside is refused before it is read),
+    typed on an O_PATH fd before it is opened (a FIFO, a device, a directory are refused), at
+    most `max_bytes` (checked with fstat before reading and while reading). PolicyError says
+    what is wrong and never quotes a refused file."""
     file = str(path)
     try:
-        data = read_regular_file(path, max_bytes)
+        data = read_file_beneath(path, max_bytes)
     except RefusedFile as err:
         raise PolicyError(
             f"refusing to read policy file {file}: {err.why}",
-            fix=f"point --policy at a regular YAML file of at most {max_bytes // 1024} KiB",
+            fix=f"point --policy at a regular YAML file of at most {max_bytes // 1024} KiB inside the "
+                "directory its path names (or mount that directory: a ConfigMap volume)",
         ) from err
     except OSError as err:
         raise PolicyError(
