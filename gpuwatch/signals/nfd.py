@@ -39,6 +39,9 @@ falls in the same one-second window and is dropped, so the new labels would wait
 next ``sleepInterval`` (up to 60 s). Inside the dot-directory only the final rename is an
 event in ``features.d``: NFD re-reads exactly when the new file is complete. The rename
 stays atomic (same filesystem), and NFD skips the dot-directory like any dot-name.
+The dot-directory is opened O_DIRECTORY|O_NOFOLLOW and used only when it is a real directory
+owned by the agent's euid without group/other write bits (issue 20, 6 d); everything in it is
+done relative to that fd, so a symlink planted there is refused and never followed.
 """
 
 from __future__ import annotations
@@ -469,25 +472,56 @@ class FeatureFileWriter:
             os.mkdir(directory, 0o755)
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.staging_dir, 0o700)
-        if not self._stale_checked:
-            self._clean_staging(keep_dir=True)
-            self._stale_checked = True
-        temp = self.temp_path
+        staging_fd = self._open_staging()
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            if not self._stale_checked:
+                self._clean_staging(staging_fd)
+                self._stale_checked = True
+            name = self.temp_path.name
             try:
-                os.fchmod(fd, 0o644)  # whatever the umask
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, self.path)
-        except OSError:
-            self._unlink_quietly(temp)
-            raise
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=staging_fd)
+                try:
+                    os.fchmod(fd, 0o644)  # whatever the umask
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(name, self.path, src_dir_fd=staging_fd)
+            except OSError:
+                self._unlink_quietly(name, staging_fd)
+                raise
+        finally:
+            os.close(staging_fd)
         self._fsync_dir(directory, quiet=False)
+
+    def _open_staging(self) -> int:
+        """An fd on the staging directory, opened without following a symlink, when it is a real
+        directory owned by this euid that neither group nor others may write; else an OSError
+        whose text says what is wrong and how to fix it (nothing is created or removed in it)."""
+        where = str(self.staging_dir)
+        fix = f"remove {where}; the agent recreates it (0700, its own)"
+        try:
+            fd = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            # O_DIRECTORY|O_NOFOLLOW on a symlink answers ENOTDIR (or ELOOP): lstat says which it is
+            if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and os.path.islink(self.staging_dir)):
+                raise OSError(errno.ELOOP, f"is a symbolic link (not followed); {fix}", where) from err
+            if err.errno == errno.ENOTDIR:
+                raise OSError(errno.ENOTDIR, f"is not a directory; {fix}", where) from err
+            raise
+        st = os.fstat(fd)
+        problem = None
+        if st.st_uid != os.geteuid():
+            problem = f"is owned by uid {st.st_uid}, not the agent's {os.geteuid()}"
+        elif st.st_mode & 0o022:
+            problem = f"is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+        if problem is not None:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{problem} (not used); {fix}", where)
+        return fd
 
     def _failed(self, what: str, err: OSError) -> None:
         self.errors_total += 1
@@ -505,36 +539,44 @@ class FeatureFileWriter:
                 log.warning("%s: its gpuwatch.io/* labels stay on the node until NFD sees the file's "
                             "expiry-time pass", message)
 
-    def _clean_staging(self, keep_dir: bool) -> None:
-        """Remove temp files a crashed agent left behind (only names this writer makes)."""
+    def _clean_staging(self, staging_fd: int) -> None:
+        """Remove temp files a crashed agent left behind (only names this writer makes), in the
+        directory `staging_fd` holds (checked by _open_staging)."""
         try:
-            entries = list(os.scandir(self.staging_dir))
+            entries = list(os.scandir(staging_fd))
         except OSError:
             return
         prefix = f".{self.path.name}."
         for entry in entries:
             if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
-                self._unlink_quietly(Path(entry.path))
-        if not keep_dir:
-            try:
-                os.rmdir(self.staging_dir)
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                log.debug("NFD feature file: cannot remove %s: %s", self.staging_dir, err)
+                self._unlink_quietly(entry.name, staging_fd)
 
     def _remove_staging(self) -> None:
-        if os.path.isdir(self.staging_dir) and not os.path.islink(self.staging_dir):
-            self._clean_staging(keep_dir=False)
-
-    @staticmethod
-    def _unlink_quietly(path: Path) -> None:
+        """Empty (of this writer's temp files) and remove the staging directory, only when it is
+        one _open_staging accepts: a planted symlink or foreign directory is left alone."""
         try:
-            os.unlink(path)
+            staging_fd = self._open_staging()
+        except OSError:
+            return
+        try:
+            self._clean_staging(staging_fd)
+        finally:
+            os.close(staging_fd)
+        try:
+            os.rmdir(self.staging_dir)
         except FileNotFoundError:
             pass
         except OSError as err:
-            log.debug("NFD feature file: cannot remove %s: %s", path, err)
+            log.debug("NFD feature file: cannot remove %s: %s", self.staging_dir, err)
+
+    @staticmethod
+    def _unlink_quietly(name: str, dir_fd: int) -> None:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.debug("NFD feature file: cannot remove %s: %s", name, err)
 
     @staticmethod
     def _fsync_dir(directory: Path, quiet: bool) -> None:

@@ -391,10 +391,12 @@ def test_temp_file_is_a_dot_file_in_a_dot_dir_of_the_same_directory(features_dir
     renames: list[tuple[str, str]] = []
     real_replace = os.replace
 
-    def spy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        renames.append((str(src), str(dst)))
-        assert os.stat(src).st_dev == os.stat(Path(dst).parent).st_dev
-        real_replace(src, dst)
+    def spy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_dir_fd: int | None = None) -> None:
+        # the writer renames from an fd on the staging directory (issue 20, 6 d): name that path
+        where = os.path.join(os.readlink(f"/proc/self/fd/{src_dir_fd}"), src) if src_dir_fd is not None else src
+        renames.append((str(where), str(dst)))
+        assert os.stat(where).st_dev == os.stat(Path(dst).parent).st_dev
+        real_replace(src, dst, src_dir_fd=src_dir_fd)
 
     monkeypatch.setattr(nfd.os, "replace", spy)
     writer = FeatureFileWriter(features_dir / "gpuwatch", interval_s=1.0, clock=Clock())
