@@ -263,10 +263,12 @@ def _recover(config: AgentConfig) -> Any:
 def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
     """Run until `stop` is set; everything started is stopped again on the way out.
 
-    Raises AgentAlreadyRunning (before touching anything) when another agent holds the lock."""
-    from gpuwatch.enforce.nodelock import NodeLock
+    Raises AgentAlreadyRunning (before touching anything) when another agent holds the lock,
+    StateFileInUse when another agent (its own --lock-file) journals into the same --state-file."""
+    from gpuwatch.enforce.nodelock import NodeLock, StateFileLock
 
-    with NodeLock(config.lock_path):
+    # the node, then the journal (two simulated nodes must not share one --state-file)
+    with NodeLock(config.lock_path), StateFileLock(config.frozen_state_path):
         _run_locked(config, stop, reload_requested)
 
 

@@ -13,6 +13,14 @@ The holder writes its pid into the file. A second agent fails at once with
 thaw, no state-file write, no port). flock is released by the kernel when the holder dies,
 so a crashed agent never leaves a stale lock; the file is not removed on exit (removing a
 lock file races with the next agent opening it), only emptied.
+
+The state file (the frozen-cgroup journal) is locked too (`StateFileLock`: a flock on
+`<state-file>.lock`, taken right after the node lock): two agents with different
+--lock-file (two simulated nodes) but the same --state-file would each rewrite the journal
+from their own view and wipe the other's entries, so the second one exits at once with
+`StateFileInUse`, naming the state file and the holder's pid, before touching anything. The
+lock is on a file beside the journal, not the journal itself, because the journal is replaced
+by rename (a flock on it would stay on the old inode).
 """
 
 from __future__ import annotations
@@ -43,6 +51,21 @@ class AgentAlreadyRunning(GpuwatchError):
             fix=f"{find}; stop it first, or give a simulated second node its own --lock-file",
         )
         self.path = path
+        self.pid = pid
+
+
+class StateFileInUse(GpuwatchError):
+    """Another agent journals into the same --state-file; this one must not start."""
+
+    def __init__(self, state_path: Path, lock_path: Path, pid: int | None) -> None:
+        who = f"pid {pid}" if pid is not None else "pid not yet written"
+        super().__init__(
+            f"another gpuwatch agent ({who}) uses the state file {state_path} (it holds {lock_path}); two agents "
+            "on one journal would wipe each other's entries, so this one exits without touching anything",
+            fix="give each agent its own --state-file (one per simulated node, beside its --lock-file), "
+                "or stop the other agent first",
+        )
+        self.state_path = state_path
         self.pid = pid
 
 
@@ -89,7 +112,7 @@ class NodeLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise AgentAlreadyRunning(self.path, read_holder_pid(self.path)) from None
+                    raise self._busy(read_holder_pid(self.path)) from None
                 raise GpuwatchError(f"cannot lock {self.path}: {err.strerror}",
                                     fix="use a lock file on a local filesystem") from err
             os.ftruncate(fd, 0)
@@ -99,6 +122,9 @@ class NodeLock:
             raise
         self._fd = fd
         return self
+
+    def _busy(self, pid: int | None) -> GpuwatchError:
+        return AgentAlreadyRunning(self.path, pid)
 
     def release(self) -> None:
         if self._fd < 0:
@@ -113,3 +139,18 @@ class NodeLock:
 
     def __exit__(self, *_exc: object) -> None:
         self.release()
+
+
+class StateFileLock(NodeLock):
+    """The lock on one --state-file (`<state-file>.lock`); `acquire()` or StateFileInUse."""
+
+    def __init__(self, state_path: Path | str) -> None:
+        self.state_path = Path(os.path.abspath(state_path))
+        super().__init__(self.state_path.with_name(self.state_path.name + ".lock"))
+
+    def _busy(self, pid: int | None) -> GpuwatchError:
+        return StateFileInUse(self.state_path, self.path, pid)
+
+    def __enter__(self) -> StateFileLock:
+        self.acquire()
+        return self
