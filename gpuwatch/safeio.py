@@ -81,17 +81,7 @@ def read_regular_file(path: str | Path, max_bytes: int, *, follow_symlinks: bool
             raise RefusedFile(name, f"is {file_kind(st.st_mode)}{via}, not a regular file")
         if st.st_size > max_bytes:
             raise RefusedFile(name, f"is {st.st_size} bytes, more than the {max_bytes}-byte limit")
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            chunk = os.read(fd, min(1 << 16, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:
-                raise RefusedFile(name, f"grew past the {max_bytes}-byte limit while being read")
-        return b"".join(chunks)
+        return _read_capped(fd, name, max_bytes)
     finally:
         os.close(fd)
 
@@ -192,6 +182,7 @@ def read_file_beneath(path: str | Path, max_bytes: int, *, resolver: str = "auto
 
 
 def _read_capped(fd: int, name: str, max_bytes: int) -> bytes:
+    """At most `max_bytes` from `fd`; a file that grows past them while read is refused."""
     chunks: list[bytes] = []
     total = 0
     while True:
