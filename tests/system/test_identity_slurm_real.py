@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ MIB = 1 << 20
 SLURM_CONF = """ClusterName=gwtest
 SlurmctldHost={host}
 AuthType=auth/munge
+AuthInfo=socket={munge_socket}
 ProctrackType=proctrack/cgroup
 TaskPlugin=task/cgroup
 SlurmUser=root
@@ -57,9 +60,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def private_munged() -> Iterator[Path]:
+    """A munged of our own (own key, socket, pid, seed and log in a private directory), stopped
+    at the end; its socket path. The host's /run/munge may hold a socket whose daemon is gone
+    (CI ran into 'Connection refused' there), and a test must not start or stop a host daemon."""
+    d = Path(tempfile.mkdtemp(prefix="gwmunge-"))  # short: a unix socket path has 108 bytes
+    key = d / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = d / "munge.sock"
+    subprocess.run(["munged", "--force", f"--socket={sock}", f"--key-file={key}", f"--pid-file={d / 'munged.pid'}",
+                    f"--seed-file={d / 'munged.seed'}", f"--log-file={d / 'munged.log'}", "--num-threads=4"],
+                   check=True, capture_output=True, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert time.monotonic() < deadline, (d / "munged.log").read_text()
+            time.sleep(0.05)
+        yield sock
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((d / "munged.pid").read_text()), 15)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
 def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """slurmctld + slurmd of a one-node cluster; the environment that reaches it."""
+    """slurmctld + slurmd of a one-node cluster with its own munged; the environment that reaches it."""
     need_root()
     for name in ("slurmctld", "slurmd", "srun", "munged"):
         need_binary(name, "slurm-wlm")
@@ -67,28 +95,42 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
     host = socket.gethostname().split(".")[0]
-    (d / "slurm.conf").write_text(SLURM_CONF.format(host=host, d=d, ctld_port=_free_port(), d_port=_free_port(),
-                                                    cpus=os.cpu_count() or 1))
-    (d / "cgroup.conf").write_text(CGROUP_CONF)
-    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
-    munge_socket = Path("/run/munge/munge.socket.2")
-    if not munge_socket.exists():
-        Path("/run/munge").mkdir(exist_ok=True)
-        subprocess.run(["chown", "munge:munge", "/run/munge"], check=True)
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+    with private_munged() as munge_socket:
+        (d / "slurm.conf").write_text(SLURM_CONF.format(host=host, d=d, ctld_port=_free_port(), d_port=_free_port(),
+                                                        cpus=os.cpu_count() or 1, munge_socket=munge_socket))
+        (d / "cgroup.conf").write_text(CGROUP_CONF)
+        env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
+        yield from _slurm_daemons(d, env)
+
+
+def _slurm_daemons(d: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
     subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], env=env, check=True)
     try:
         subprocess.run(["slurmd", "-f", str(d / "slurm.conf")], env=env, check=True)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # slurmd registers within seconds; CI hosts are slow
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
                                            text=True).stdout:
-            assert time.monotonic() < deadline, (d / "slurmd.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, ((d / "slurmd.log").read_text()[-2000:] + "\n--- slurmctld:\n"
+                                                 + (d / "slurmctld.log").read_text()[-2000:])
             time.sleep(0.2)
         yield env
     finally:
         for pid_file in ("slurmd.pid", "slurmctld.pid"):
             with contextlib.suppress(OSError, ValueError):  # not started, or gone already
                 os.kill(int((d / pid_file).read_text()), 15)
+        _remove_empty_slurm_cgroups()
+
+
+def _remove_empty_slurm_cgroups() -> None:
+    """slurmd leaves its (then empty) ``slurm_<node>`` directory in each v1 hierarchy; remove
+    what is empty, deepest first, so that a later run starts from the host as it was."""
+    host = socket.gethostname().split(".")[0]
+    for top in Path("/sys/fs/cgroup").glob(f"*/slurm_{host}"):
+        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                sub.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
 
 
 @pytest.fixture
