@@ -144,12 +144,12 @@ class _Stages:
 
 def agent_child(args: argparse.Namespace) -> None:
     from gpuwatch.containers import BundleRoots
-    from gpuwatch.exporter.server import registry_for, serve
-    from gpuwatch.sampler import build_sampler
-    from gpuwatch.signals.collector import SignalCollector
+    from gpuwatch.exporter.metrics_server import registry_for, serve
+    from gpuwatch.node.sampler import build_sampler
     from gpuwatch.signals.health import HealthTracker
     from gpuwatch.signals.kmsg import KmsgReader
     from gpuwatch.signals.network import NetworkReader
+    from gpuwatch.signals.signal_collector import SignalCollector
 
     defaults = BundleRoots()
     roots = BundleRoots(containerd_tasks=(args.tasks_dir, *defaults.containerd_tasks))

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_extender.py [--nodes 1000] [--quick]
 
 Builds a synthetic cluster -- NODES nodes x 8 GPUs of every gpuwatch series the cluster
-queries read (gpuwatch.cluster.state.CLUSTER_QUERIES, a superset of the extender's
+queries read (gpuwatch.cluster.queries.CLUSTER_QUERIES, a superset of the extender's
 placement, topology and pods batches), with the labels the agent exports plus the
 job/instance labels a scrape adds -- as an OpenMetrics file, backfills it into a fresh TSDB
 with `promtool tsdb create-blocks-from openmetrics`, and serves it with a real `prometheus`
@@ -718,11 +718,11 @@ def breakdown(prom_url: str, names: Sequence[str], candidate_counts: Sequence[in
     import gc
     import tracemalloc
 
-    from gpuwatch.cluster.model import ClusterState
     from gpuwatch.cluster.prometheus import PrometheusReader
+    from gpuwatch.cluster.queries import build_state, placement_queries, pods_queries, static_queries
     from gpuwatch.cluster.source import PrometheusCluster
-    from gpuwatch.cluster.state import build_state, placement_queries, pods_queries, static_queries
-    from gpuwatch.extender.placement import PlacementConfig
+    from gpuwatch.cluster.values import ClusterState
+    from gpuwatch.extender.node_fit import PlacementConfig
     from gpuwatch.extender.service import Extender
 
     per_cycle = {**placement_queries(), **pods_queries(promised)}
@@ -942,7 +942,7 @@ def revalidate_age_s() -> float:
 
 
 def run(plan: Plan, work: Path) -> int:
-    from gpuwatch.cluster.state import placement_queries
+    from gpuwatch.cluster.queries import placement_queries
 
     t_start = time.monotonic()
     nodes = make_cluster(plan.nodes)

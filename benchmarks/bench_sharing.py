@@ -158,8 +158,8 @@ class Pipeline:
 
     def __init__(self, sim: Any, lab_dirs: dict[str, Path], work: Path, interval_s: float) -> None:
         from gpuwatch.containers import BundleRoots
+        from gpuwatch.node.sampler import build_sampler
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
-        from gpuwatch.sampler import build_sampler
 
         os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)
         self.work = work
@@ -180,7 +180,7 @@ class Pipeline:
         self._thread.start()
 
     def _loop(self) -> None:
-        from gpuwatch.errors import GpuwatchError
+        from gpuwatch.core.errors import GpuwatchError
 
         last = 0.0
         while not self._stop.wait(self.interval_s / 4):
@@ -199,7 +199,7 @@ class Pipeline:
                     self.errors.append(str(err))
 
     def use_policy(self, name: str, text: str) -> None:
-        from gpuwatch.enforce.factory import CgroupNodeContainers, build_enforcer
+        from gpuwatch.agent.enforcer_factory import CgroupNodeContainers, build_enforcer
         from gpuwatch.enforce.limitmap import NullDeviceGate
 
         path = self.work / f"policy-{name}.yaml"

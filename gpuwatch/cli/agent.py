@@ -126,7 +126,7 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
     Every option can be set from the environment too, as GPUWATCH_AGENT_<OPTION> (the
     variable is named with each option below); an argument wins over the environment.
     """
-    from gpuwatch.agent import AgentConfig
+    from gpuwatch.agent.daemon import AgentConfig
 
     host, port = parse_listen(listen, "--listen")
     webhook = parse_listen(webhook_listen, "--webhook-listen") if webhook_listen else None
@@ -144,11 +144,11 @@ def agent(listen: str, snapshot_remote: bool, node: str | None, interval_s: floa
         bundle_roots=bundle_roots_from(containerd_roots, docker_roots, runc_roots),
         health_stall_intervals=health_stall_intervals, idle_without_gpus=idle_without_gpus,
     )
-    from gpuwatch.agent import REEXEC_ENV, exec_daemon, run_until_signalled
+    from gpuwatch.agent.daemon import REEXEC_ENV, exec_daemon, run_until_signalled
 
     if _is_the_cli_process() and os.environ.get(REEXEC_ENV, "1") != "0":
         try:
-            exec_daemon(config, verbose, sys.argv[1:])  # the daemon without click: see gpuwatch.agent
+            exec_daemon(config, verbose, sys.argv[1:])  # the daemon without click: see gpuwatch.agent.daemon
         except OSError as err:
             log.warning("cannot start the lean daemon interpreter (%s): the agent runs in the CLI's", err)
     run_until_signalled(config, verbose)

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import click
 
-from gpuwatch.hostcheck import Status, run_all
+from gpuwatch.cli.hostcheck import Status, run_all
 
 _MARK = {Status.OK: "ok  ", Status.WARN: "WARN", Status.FAIL: "FAIL"}
 

@@ -87,7 +87,7 @@ def extender(listen: str, prometheus_url: str, policy: str, url_prefix: str, mem
     variable is named with each option below); an argument wins over the environment.
     """
     from gpuwatch.cluster.source import PrometheusCluster
-    from gpuwatch.extender.placement import PlacementConfig
+    from gpuwatch.extender.node_fit import PlacementConfig
     from gpuwatch.extender.promises import Promises
     from gpuwatch.extender.server import ExtenderApp, ExtenderMetrics, ExtenderServer
     from gpuwatch.extender.service import Extender

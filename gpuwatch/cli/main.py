@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from gpuwatch import __version__
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.core.errors import GpuwatchError
 
 # name -> (module, attribute, one-line help shown in `gpuwatch --help`)
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {

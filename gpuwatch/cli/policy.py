@@ -12,10 +12,10 @@ import sys
 
 import click
 
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.policy.loader import check_policy_text, load_policy, read_policy_text, total_problems
 from gpuwatch.policy.match import select_rule
-from gpuwatch.policy.model import Rule
+from gpuwatch.policy.rules import Rule
 
 
 @click.group("policy")

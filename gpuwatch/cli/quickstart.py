@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from gpuwatch.model import Snapshot
+from gpuwatch.core.model import Snapshot
 
 log = logging.getLogger("gpuwatch.quickstart")
 SIM_BANNER = (
@@ -64,7 +64,7 @@ class LatestSource:
 
 
 def _serve(stack: ExitStack, sampler: Any, host: str, port: int) -> str:
-    from gpuwatch.exporter.server import registry_for, serve
+    from gpuwatch.exporter.metrics_server import registry_for, serve
 
     try:
         server = serve(registry_for(sampler.latest), host, port, get_snapshot=sampler.latest)
@@ -121,7 +121,7 @@ def quickstart(listen: str, interval_s: float, simulate: bool, duration_s: float
     Without a terminal it prints the table once after a few samples instead.
     """
     from gpuwatch.cli.addresses import parse_listen
-    from gpuwatch.sampler import build_sampler
+    from gpuwatch.node.sampler import build_sampler
 
     host, port = parse_listen(listen, "--listen")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind the ExitStack: nothing left behind
@@ -208,7 +208,7 @@ def _show(sampler: Any, interval_s: float, duration_s: float | None) -> None:
 
 def _show_source(source: Any, interval_s: float, duration_s: float | None) -> None:
     from gpuwatch.tui.render import plain_table
-    from gpuwatch.tui.state import ViewState
+    from gpuwatch.tui.view_state import ViewState
 
     state = ViewState(interval_s=interval_s)
     if sys.stdout.isatty() and duration_s is None:

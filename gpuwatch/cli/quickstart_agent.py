@@ -1,4 +1,4 @@
-"""The agent `gpuwatch quickstart` runs: the real node agent (gpuwatch/agent.py) in a thread.
+"""The agent `gpuwatch quickstart` runs: the real node agent (gpuwatch/agent/daemon.py) in a thread.
 
 The quick start shows what gpuwatch does beyond NVML monitoring, so it runs the same agent
 a node runs -- kernel probes where the host supports them, the enforcer with a policy on the
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.model import Snapshot
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.model import Snapshot
 
 NO_SAMPLE_YET = "no sample taken yet"  # the sampler's placeholder before its first sweep
 START_TIMEOUT_S = 60.0
@@ -103,7 +103,7 @@ def start_agent(work: Path, host: str, port: int, interval_s: float, nvml_librar
     """Start the agent in a thread and wait until it serves its first snapshot.
 
     Raises GpuwatchError (with the agent's own message) when it cannot start."""
-    from gpuwatch.agent import AgentConfig, run_agent
+    from gpuwatch.agent.daemon import AgentConfig, run_agent
 
     config = AgentConfig(
         listen_host=host, listen_port=port, interval_s=interval_s, nvml_library=nvml_library,

@@ -22,13 +22,13 @@ from typing import Any
 
 import click
 
-from gpuwatch import snapshot_doc as jsondoc
 from gpuwatch.cli.runtime_roots import bundle_roots_from, runtime_root_options
-from gpuwatch.errors import GpuwatchError, NvmlUnavailable
-from gpuwatch.model import Snapshot
+from gpuwatch.core import snapshot_doc as jsondoc
+from gpuwatch.core.errors import GpuwatchError, NvmlUnavailable
+from gpuwatch.core.model import Snapshot
 from gpuwatch.tui.render import NVML_FIX, nvml_down_text, plain_table
 from gpuwatch.tui.sources import AgentSource, FileSource, SamplerSource, SnapshotSource
-from gpuwatch.tui.state import SortKey, ViewState, filter_snapshot
+from gpuwatch.tui.view_state import SortKey, ViewState, filter_snapshot
 
 ONCE_SETTLE_MAX_S = 0.5
 """With --once: the wait between the two sampler sweeps that utilisation is computed over."""
@@ -49,7 +49,7 @@ def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s
     if agent_url is not None:
         return AgentSource(agent_url)
     try:
-        sampler_module = importlib.import_module("gpuwatch.sampler")
+        sampler_module = importlib.import_module("gpuwatch.node.sampler")
     except ImportError as err:
         raise click.ClickException(f"the gpuwatch sampler cannot be loaded: {err}") from err
     try:
@@ -158,7 +158,7 @@ def _cluster_top(url: str, node: str | None, namespace: str | None, state: ViewS
                  as_json: bool) -> None:
     """`top --prometheus`: the cluster view, one read for --once/--json, else the live screen."""
     from gpuwatch.cluster.prometheus import PrometheusReader
-    from gpuwatch.tui.cluster import ClusterSource, cluster_document, cluster_snapshot
+    from gpuwatch.tui.cluster_view import ClusterSource, cluster_document, cluster_snapshot
 
     try:
         reader = PrometheusReader(url, timeout_s=PROMETHEUS_TIMEOUT_S, cache_s=min(state.interval_s / 2, 1.0))

@@ -15,8 +15,8 @@ from types import FrameType
 
 import click
 
-from gpuwatch.model import ContainerIdentity
-from gpuwatch.probes.events import ProbeEvent
+from gpuwatch.core.model import ContainerIdentity
+from gpuwatch.probes.kernel_events import ProbeEvent
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.probes.trace_view import HEADER, TraceFilter, format_json, format_line
 

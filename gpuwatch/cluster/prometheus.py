@@ -1,7 +1,7 @@
 """A small reader of Prometheus' HTTP API: one batch of instant queries per cycle, cached.
 
 The Prometheus query API is plain JSON over HTTP (``POST /api/v1/query`` with a
-form-encoded ``query``), so this is `gpuwatch.httpclient` (bounded: every answer streamed
+form-encoded ``query``), so this is `gpuwatch.core.httpclient` (bounded: every answer streamed
 under a byte cap and one deadline, JSON under a depth limit), not a Prometheus client library
 (those pull pandas and matplotlib). One `PrometheusReader` serves one consumer process
 (the scheduler extender, `gpuwatch top --prometheus`):
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlencode, urlsplit
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.httpclient import (
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.httpclient import (
     DEFAULT_MAX_BYTES,
     BoundedHttpClient,
     ByteBudget,

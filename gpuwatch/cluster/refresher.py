@@ -13,9 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gpuwatch.cluster.model import ClusterState
 from gpuwatch.cluster.prometheus import PrometheusReader
-from gpuwatch.cluster.state import (
+from gpuwatch.cluster.queries import (
     StaticFacts,
     build_state,
     placement_queries,
@@ -23,7 +22,8 @@ from gpuwatch.cluster.state import (
     static_facts,
     static_queries,
 )
-from gpuwatch.httpclient import DEFAULT_MAX_BYTES
+from gpuwatch.cluster.values import ClusterState
+from gpuwatch.core.httpclient import DEFAULT_MAX_BYTES
 
 
 @dataclass

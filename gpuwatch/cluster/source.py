@@ -26,9 +26,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from gpuwatch.cluster import refresher
-from gpuwatch.cluster.model import ClusterState
 from gpuwatch.cluster.prometheus import PrometheusError, PrometheusTimeout
-from gpuwatch.httpclient import DEFAULT_MAX_BYTES
+from gpuwatch.cluster.values import ClusterState
+from gpuwatch.core.httpclient import DEFAULT_MAX_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from gpuwatch.containers.slurm import SlurmPlace, find_slurm
-from gpuwatch.model import HOST_IDENTITY, ContainerIdentity
+from gpuwatch.core.model import HOST_IDENTITY, ContainerIdentity
 
 # Runtime names reported in ContainerIdentity.runtime.
 DOCKER = "docker"

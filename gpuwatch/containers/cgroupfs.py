@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpuwatch.containers.procfs import parse_cgroup_file, read_text
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.core.errors import GpuwatchError
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ No API server: the runtimes already wrote what we need to disk.
 The parsers are pure and never raise on bad input: they return None or empty fields.
 
 GPU sharing annotations (gpuwatch.io/sharing: exclusive|shared|auto, gpuwatch.io/gpu-share:
-"0.5"; vocabulary and meaning in gpuwatch/policy/sharing.py) are read from the same
+"0.5"; vocabulary in gpuwatch/core/annotations.py, meaning in gpuwatch/policy/sharing.py) are read from the same
 annotations (CRI-O also from its io.kubernetes.cri-o.Annotations JSON; Docker from labels of
 that name or dockershim's "annotation.<key>" labels). The progress annotations
 (gpuwatch.io/progress-file: a path inside the container, gpuwatch.io/progress-goal:
-minimize|maximize; vocabulary and reader in gpuwatch/signals/progress.py) are read the same
+minimize|maximize; vocabulary in gpuwatch/core/annotations.py, reader in gpuwatch/signals/progress.py) are read the same
 way. Valid values become `ContainerMetadata.sharing_labels` and, through the resolver,
 identity labels under the same keys; an invalid value is logged once (per file and value)
 and treated as absent.
@@ -35,9 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.containers.procfs import read_text
-from gpuwatch.policy.sharing import ANNOTATION_KEYS as SHARING_KEYS
-from gpuwatch.policy.sharing import sharing_annotations
-from gpuwatch.signals.progress import PROGRESS_ANNOTATION_KEYS, progress_annotations
+from gpuwatch.core.annotations import NODE_ANNOTATION_KEYS, label_annotations
 
 log = logging.getLogger(__name__)
 _REPORTED_MAX = 4096
@@ -48,7 +46,7 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,254}$")
 # "k8s_<container>_<pod>_<namespace>_<uid>_<attempt>" (dockershim Name, CRI-O ContainerName)
 _K8S_NAME = re.compile(r"^/?k8s_(?P<c>[^_]+)_(?P<p>[^_]+)_(?P<ns>[^_]+)_(?P<uid>[^_]+)_\d+$")
 # the gpuwatch.io annotations carried into identity labels: sharing, then progress
-ANNOTATION_KEYS = SHARING_KEYS + PROGRESS_ANNOTATION_KEYS
+ANNOTATION_KEYS = NODE_ANNOTATION_KEYS
 
 
 @dataclass(frozen=True)
@@ -89,9 +87,7 @@ class ContainerMetadata:
 def _sharing(annotations: dict[str, str], source: str) -> tuple[tuple[str, str], ...]:
     """The valid gpuwatch.io annotations (sharing, progress); each invalid one is logged once
     per (file, problem)."""
-    pairs, problems = sharing_annotations(annotations)
-    progress_pairs, progress_problems = progress_annotations(annotations)
-    pairs, problems = pairs + progress_pairs, problems + progress_problems
+    pairs, problems = label_annotations(annotations)
     for problem in problems:
         if (source, problem) in _reported:
             continue

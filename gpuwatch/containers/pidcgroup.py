@@ -13,7 +13,7 @@ import os
 from gpuwatch.containers.cgroup_path import normalize_path, parse_cgroup_path
 from gpuwatch.containers.cgroupfs import CgroupMounts, cgroup_dir
 from gpuwatch.containers.procfs import CgroupChoice, CgroupFile, choose_cgroup_path, parse_cgroup_file, read_text
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 
 
 def placed_cgroup_file(cg: CgroupFile, mounts: CgroupMounts) -> CgroupFile:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gpuwatch.containers.cgroup_path import parse_cgroup_path
-from gpuwatch.model import HOST_IDENTITY
+from gpuwatch.core.model import HOST_IDENTITY
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from gpuwatch.containers.procfs import (
     parse_uid,
     read_text,
 )
-from gpuwatch.model import ContainerIdentity, ProcessIdentity
+from gpuwatch.core.model import ContainerIdentity, ProcessIdentity
 
 _parse_path = parse_cgroup_path.__wrapped__  # uncached (module docstring)
 

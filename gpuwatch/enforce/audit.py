@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuwatch.core.errors import EnforcementError
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.enforce.actions.base import ActionResult
-from gpuwatch.enforce.frozen import RecoveryAction
-from gpuwatch.errors import EnforcementError
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.enforce.freeze.frozen_state import RecoveryAction
 from gpuwatch.policy.decisions import Decision
 
 DEFAULT_AUDIT_PATH = Path("/var/log/gpuwatch/audit.jsonl")
@@ -87,7 +87,7 @@ class AuditLog:
         return entry
 
     def record_recovery(self, step: RecoveryAction, *, dry_run: bool = False) -> dict[str, object]:
-        """One start-up reconciliation step (enforce/frozen.py), same fields as a decision:
+        """One start-up reconciliation step (enforce/freeze/frozen_state.py), same fields as a decision:
         event "recovery", rule "recovery", scope "node", action thaw/leave/move-aside."""
         entry: dict[str, object] = {
             "time": round(self.clock(), 6),

@@ -11,9 +11,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree
-from gpuwatch.enforce.frozen import FrozenRegistry
-from gpuwatch.enforce.throttle import DutyCycleThrottle
+from gpuwatch.enforce.cgroup_ops import CgroupHandle, CgroupTree
+from gpuwatch.enforce.duty_cycle import DutyCycleThrottle
+from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry
 
 log = logging.getLogger(__name__)
 BusySource = Callable[[str, CgroupHandle], Callable[[], float]]

@@ -12,7 +12,7 @@ policy file (reload on SIGHUP or mtime change, read and checked in a worker thre
 snapshots keep their cadence; an invalid or refused file never replaces the running
 policy), the actions, the audit log (every decision, dry-run and suppressed ones too), the
 metrics and the in-kernel limit map hook. On start it thaws whatever a crashed previous
-run left frozen (the cgroups' freeze markers and the state file, enforce/frozen.py) unless
+run left frozen (the cgroups' freeze markers and the state file, enforce/freeze/frozen_state.py) unless
 the agent already did so under its node lock.
 
 It also carries out what pods ask for with the sharing annotations (policy/sharing.py):
@@ -35,23 +35,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from gpuwatch.core.annotations import format_share
+from gpuwatch.core.errors import EnforcementError
+from gpuwatch.core.model import ContainerEnforcement, ContainerIdentity, Snapshot
 from gpuwatch.enforce.actions import ActionResult, ActionSet, Status, build_actions
 from gpuwatch.enforce.audit import DEFAULT_AUDIT_PATH, AuditLog
-from gpuwatch.enforce.cgroupfs import CgroupHandle, CgroupTree, own_cgroup_paths
+from gpuwatch.enforce.cgroup_ops import CgroupHandle, CgroupTree, own_cgroup_paths
 from gpuwatch.enforce.control import BusySource, FreezeControl
-from gpuwatch.enforce.crosscheck import InKernelGuard
-from gpuwatch.enforce.frozen import DEFAULT_STATE_PATH, FrozenRegistry, RecoveryAction
+from gpuwatch.enforce.freeze.frozen_state import DEFAULT_STATE_PATH, FrozenRegistry, RecoveryAction
+from gpuwatch.enforce.freeze.markers import MarkerOwner
+from gpuwatch.enforce.freeze.recovery import RecoveryMetrics
+from gpuwatch.enforce.inkernel_guard import InKernelGuard
 from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate, NullLimitMap, kernel_action
-from gpuwatch.enforce.markers import MarkerOwner
 from gpuwatch.enforce.metrics import EnforcerMetrics, TargetLimits
 from gpuwatch.enforce.policy_reload import PolicyLoad, PolicyStat, policy_stat
 from gpuwatch.enforce.probe_events import convert_events
-from gpuwatch.enforce.recovery import RecoveryMetrics
-from gpuwatch.enforce.sharing import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
-from gpuwatch.enforce.webhook_requests import RepeatGate, decide_webhook
-from gpuwatch.errors import EnforcementError
-from gpuwatch.model import ContainerEnforcement, ContainerIdentity, Snapshot
-from gpuwatch.policy.crosscheck import ProbeNvmlCrossCheck
+from gpuwatch.enforce.sharing_hooks import SHARING_RULE, NodeContainers, NodeListing, SharingLedger
+from gpuwatch.enforce.webhook.requests import RepeatGate, decide_webhook
 from gpuwatch.policy.evaluate import (
     VANISHED_INTERVALS,
     Decision,
@@ -63,12 +63,12 @@ from gpuwatch.policy.evaluate import (
 )
 from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.match import select_rule
-from gpuwatch.policy.model import ActionKind, Policy
+from gpuwatch.policy.probe_trust import ProbeNvmlCrossCheck
+from gpuwatch.policy.rules import ActionKind, Policy
 from gpuwatch.policy.sharing import (
     ExclusivePlan,
     allowed_without,
     exclusive_holders,
-    format_share,
     gate_exemption,
     gpu_users,
     is_glob,
@@ -136,7 +136,7 @@ class Enforcer:
 
         `crosscheck`: thresholds of the probe vs NVML cross-check (default max(64 MiB, 10%),
         3 intervals to suspend and to resume): a container it suspends is kept out of the
-        kernel limit map (enforce/crosscheck.py).
+        kernel limit map (enforce/inkernel_guard.py).
         """
         self.policy_path = Path(policy_path)
         self.dry_run = dry_run
@@ -351,7 +351,7 @@ class Enforcer:
         rules = {r.name: r for r in policy.rules}
         wanted: dict[int, tuple[int, str]] = {}
         refused: dict[str, ContainerIdentity] = {}
-        # containers whose probe counters were joined per process (probe_join.py: negative ids):
+        # containers whose probe counters were joined per process (node/probe_join.py: negative ids):
         # the kernel counts them in a v2 cgroup that is not theirs
         joined = {ident.key for cg, ident in (snapshot.probe_identities if snapshot else ()) if cg < 0}
         suspended = self.kernel_guard.suspended_keys()
@@ -733,7 +733,7 @@ class Enforcer:
 
     # -- Alertmanager webhook ---------------------------------------------------------------
     def on_webhook(self, request: Any) -> str:
-        """Handle one parsed webhook alert (gpuwatch.enforce.webhook.WebhookRequest): decide
+        """Handle one parsed webhook alert (gpuwatch.enforce.webhook.receiver.WebhookRequest): decide
         with the policy's safety rules, act (unless dry run), audit; returns the result."""
         with self._lock:
             if self._closed:

@@ -2,17 +2,17 @@
 
 The enforcer never imports the probes layer (sources never know consumers; consumers talk
 to sources through protocols). The running probes (probes/manager.ProbeManager) satisfy
-`KernelProbes`; the agent hands them to enforce/factory.py, which wires:
+`KernelProbes`; the agent hands them to agent/enforcer_factory.py, which wires:
 
 * the in-kernel memory limit: `KernelLimitTable` -- one entry per cgroup id in the BPF limit
   map, read by the kernel at every allocation (kill or stop before an over-limit one
   proceeds, or only report it). An entry that is absent means the kernel does nothing for
-  that cgroup: that is how the probe-vs-NVML cross-check (policy/crosscheck.py) suspends
+  that cgroup: that is how the probe-vs-NVML cross-check (policy/probe_trust.py) suspends
   in-kernel enforcement of a container whose probe counter NVML contradicts;
 * device isolation: `ProbeScope` -- the device-node prefix and cgroup v2 mount the probes
   use, so the cgroup device program gates the same nodes.
 
-mypy checks the conformance where the agent wires the two (gpuwatch/agent.py).
+mypy checks the conformance where the agent wires the two (gpuwatch/agent/daemon.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpuwatch.policy.model import ActionKind, LimitKind, Rule
+from gpuwatch.policy.rules import ActionKind, LimitKind, Rule
 
 KERNEL_ACTIONS = ("event", "stop", "kill")
 

@@ -9,7 +9,7 @@ schedulers), gpuwatch_enforce_exclusive_gated_containers{node,gpu,uuid,model}; p
 from the enforcer's view: gpuwatch_enforce_memory_fair_share_bytes, _waiting_for_memory_seconds,
 _pending_allocation_bytes (rescheduling), gpuwatch_enforce_elastic_share{role} and
 gpuwatch_enforce_growth_efficiency (elastic); gpuwatch_container_inkernel_enforcement_suspended
-(the probe vs NVML cross-check, enforce/crosscheck.py); WebhookMetrics:
+(the probe vs NVML cross-check, enforce/inkernel_guard.py); WebhookMetrics:
 gpuwatch_webhook_requests_total{result}, gpuwatch_webhook_alerts_total{result}.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.model import ContainerEnforcement, ContainerIdentity
+from gpuwatch.core.model import ContainerEnforcement, ContainerIdentity
 
 TARGET_LABELS = ["namespace", "pod", "container", "container_id", "cgroup"]
 
@@ -64,7 +64,7 @@ class EnforcerMetrics(Collector):
         self._quotas: tuple[tuple[str, int], ...] = ()
         self._gated: tuple[tuple[tuple[str, str, str, str], int], ...] = ()
         self._enforcement: tuple[ContainerEnforcement, ...] = ()
-        self.guard_family: Callable[[], Metric] | None = None  # the in-kernel guard's (enforce/crosscheck.py)
+        self.guard_family: Callable[[], Metric] | None = None  # the in-kernel guard's (enforce/inkernel_guard.py)
 
     def count_action(self, action: str, result: str) -> None:
         with self._lock:

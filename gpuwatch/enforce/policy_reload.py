@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuwatch.errors import PolicyError
+from gpuwatch.core.errors import PolicyError
 from gpuwatch.policy.loader import load_policy
-from gpuwatch.policy.model import Policy
+from gpuwatch.policy.rules import Policy
 
 PolicyStat = tuple[float, int, int] | None
 log = logging.getLogger(__name__)

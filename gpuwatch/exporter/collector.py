@@ -12,9 +12,9 @@ Labels:
   per pod:        node, namespace, pod, pod_uid
   per namespace:  node, namespace
 Sharing (`_sharing`): gpuwatch_gpu_tenants and gpuwatch_gpu_exclusive per GPU (GPU labels).
-Progress (exporter/progress.py): gpuwatch_container_progress and _rate per container that
+Progress (exporter/progress_metrics.py): gpuwatch_container_progress and _rate per container that
 declared an evaluation function (container labels without the GPU).
-Cross-check (exporter/crosscheck.py): gpuwatch_container_probe_nvml_divergence_bytes per
+Cross-check (exporter/crosscheck_metrics.py): gpuwatch_container_probe_nvml_divergence_bytes per
 container (probe live bytes minus NVML memory, container labels without the GPU).
 A cgroup that is not a container (host processes, systemd services) is exported with
 ``container`` = its cgroup path and an empty ``container_id``, so its series stay
@@ -31,8 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
-from gpuwatch.exporter.crosscheck import crosscheck_families
-from gpuwatch.exporter.labels import (
+from gpuwatch.core.labels import (
     CONTAINER_LABELS,
     GPU_LABELS,
     NAMESPACE_LABELS,
@@ -41,9 +40,10 @@ from gpuwatch.exporter.labels import (
     gpu_label,
     identity_labels,
 )
-from gpuwatch.exporter.progress import progress_families
-from gpuwatch.exporter.signals import health_reason, signal_families
-from gpuwatch.model import Snapshot
+from gpuwatch.core.model import Snapshot
+from gpuwatch.exporter.crosscheck_metrics import crosscheck_families
+from gpuwatch.exporter.progress_metrics import progress_families
+from gpuwatch.exporter.signal_metrics import health_reason, signal_families
 from gpuwatch.policy.sharing import exclusive_holders, gpu_tenants, gpu_users, outside_pod_processes
 
 log = logging.getLogger(__name__)

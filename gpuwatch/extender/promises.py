@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwatch.cluster.model import ClusterState
+from gpuwatch.cluster.values import ClusterState
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,21 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.policy.sharing import GPU_SHARE_ANNOTATION, SHARING_ANNOTATION, parse_gpu_share, parse_sharing_mode
+from gpuwatch.core.annotations import (
+    GPU_MEMORY_ANNOTATION,
+    GPU_SHARE_ANNOTATION,
+    REMOTE_GPU_ANNOTATION,
+    SHARING_ANNOTATION,
+    parse_gpu_share,
+    parse_sharing_mode,
+)
+from gpuwatch.core.errors import GpuwatchError
 
 GPU_RESOURCE = "nvidia.com/gpu"
-ANN_MEMORY = "gpuwatch.io/gpu-memory"
-ANN_SHARE = GPU_SHARE_ANNOTATION  # the node reads the same annotations (policy/sharing.py)
+ANN_MEMORY = GPU_MEMORY_ANNOTATION  # the node reads the same annotations (core/annotations.py)
+ANN_SHARE = GPU_SHARE_ANNOTATION
 ANN_SHARING = SHARING_ANNOTATION
-ANN_REMOTE = "gpuwatch.io/remote-gpu"
+ANN_REMOTE = REMOTE_GPU_ANNOTATION
 MAX_GPUS = 64
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

@@ -1,4 +1,4 @@
-"""The extender's HTTP service: a WSGI app served by waitress (gpuwatch.httpserve).
+"""The extender's HTTP service: a WSGI app served by waitress (gpuwatch.core.httpserve).
 
 waitress (a well-kept pure-Python WSGI server) gives what a webhook kube-scheduler calls
 on every scheduling cycle needs: HTTP/1.1 keep-alive, a bounded thread pool (`threads`),
@@ -32,10 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.httpserve import BoundedServer, ByteSemaphore, JsonRejected, ServerLimits, parse_json
 from gpuwatch.extender.request import BadRequest
 from gpuwatch.extender.service import Extender
-from gpuwatch.httpserve import BoundedServer, ByteSemaphore, JsonRejected, ServerLimits, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def _trim() -> None:
 
 
 class ExtenderServer:
-    """An ExtenderApp on gpuwatch.httpserve (waitress with limits) in a background thread
+    """An ExtenderApp on gpuwatch.core.httpserve (waitress with limits) in a background thread
     (`start`/`stop`) or the foreground (`run`)."""
 
     def __init__(self, app: ExtenderApp, host: str, port: int, *, threads: int = 8, connection_limit: int = 200,

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
-from gpuwatch.cluster.model import ClusterState
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.extender.placement import PlacementConfig, Verdict, evaluate, promised_on, scores_of
+from gpuwatch.cluster.values import ClusterState
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.extender.node_fit import PlacementConfig, Verdict, evaluate, promised_on, scores_of
 from gpuwatch.extender.promises import Promises
 from gpuwatch.extender.request import BadRequest, GpuRequest, Sharing, parse_pod
 

@@ -9,7 +9,7 @@ Failure contract:
 * a field NVML cannot read is ``None`` in the returned model (N/A), and the sweep's
   ``errors`` names it -- a sweep never fails because one field did;
 * a sweep that cannot be taken at all (driver gone, simulated node down) raises a
-  `gpuwatch.errors.GpuwatchError` (`NvmlCallFailed`); the sampler then reports the GPU
+  `gpuwatch.core.errors.GpuwatchError` (`NvmlCallFailed`); the sampler then reports the GPU
   backend as down and recreates the backend through its factory.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from gpuwatch.model import GpuSweep
+from gpuwatch.core.model import GpuSweep
 
 
 @runtime_checkable

@@ -49,9 +49,8 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
-from gpuwatch.gpu.samples import SampleTimeline, integrate
-from gpuwatch.model import (
+from gpuwatch.core.errors import NvmlCallFailed, NvmlUnavailable
+from gpuwatch.core.model import (
     DeviceFields,
     DeviceInfo,
     GpuLink,
@@ -61,6 +60,7 @@ from gpuwatch.model import (
     ProcessKind,
     TopologyLevel,
 )
+from gpuwatch.gpu.samples import SampleTimeline, integrate
 
 ENV_LIBRARY = "GPUWATCH_NVML_LIBRARY"
 SIM_NAME_PREFIX = "gpuwatch-sim"

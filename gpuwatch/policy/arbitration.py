@@ -42,11 +42,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatch.model import Snapshot
+from gpuwatch.core.model import Snapshot
 from gpuwatch.policy.deadlock import Contender, find_deadlock, priority_weight, weighted_fair_share
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
-from gpuwatch.policy.model import ActionKind, FairShareSplit, Policy
+from gpuwatch.policy.rules import ActionKind, FairShareSplit, Policy
 from gpuwatch.policy.usage import ContainerView
 
 ANY_GPU = -1

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.policy.match import is_host_root
 
 

@@ -14,7 +14,7 @@ Every round, per GPU with two or more running tenants:
   efficiency below `elastic.plateau` -- weigh nothing, so they yield down to the floor);
 * the division changes only when some share moves by more than `elastic.hysteresis`, and at
   most once per `elastic.min_dwell` (a tenant arriving or leaving redivides at once);
-* it is carried out by the closed-loop throttle (enforce/throttle.py): while some job yields
+* it is carried out by the closed-loop throttle (enforce/duty_cycle.py): while some job yields
   (its share is below the fair one), every tenant but the one with the largest share is
   throttled to its share, and that one takes what is left; when nobody yields, the elastic
   throttles are released (plain time slicing is already fair);
@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from gpuwatch.model import ContainerIdentity, ContainerProgress
+from gpuwatch.core.model import ContainerIdentity, ContainerProgress
 from gpuwatch.policy.decisions import Decision, Verb
-from gpuwatch.policy.model import ElasticSettings
+from gpuwatch.policy.rules import ElasticSettings
 from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.policy.usage import ContainerView
 

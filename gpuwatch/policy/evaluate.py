@@ -19,7 +19,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from gpuwatch.model import ContainerIdentity, Snapshot
+from gpuwatch.core.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.arbitration import (
     ANY_GPU,
     ArbitrationState,
@@ -32,7 +32,7 @@ from gpuwatch.policy.elastic import ElasticState, ElasticStatus, elastic_round
 from gpuwatch.policy.events import ProbeEvent
 from gpuwatch.policy.ladder import LadderMove, LadderResult, LadderState, advance, undo_escalation
 from gpuwatch.policy.match import is_host_root, namespace_is_targetable, select_rule
-from gpuwatch.policy.model import ActionKind, ActionStep, LimitKind, NamespaceQuota, Policy, Rule
+from gpuwatch.policy.rules import ActionKind, ActionStep, LimitKind, NamespaceQuota, Policy, Rule
 from gpuwatch.policy.usage import ContainerView, Measured, group_containers, measure, rate_from_history
 
 __all__ = [

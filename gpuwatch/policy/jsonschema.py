@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gpuwatch.core.units import DURATION_FORM, RATIO_FORM, SIZE_FORM
 from gpuwatch.policy import loader
-from gpuwatch.policy.model import ActionKind, FairShareSplit, LimitKind
-from gpuwatch.policy.units import DURATION_FORM, RATIO_FORM, SIZE_FORM
+from gpuwatch.policy.rules import ActionKind, FairShareSplit, LimitKind
 
 SCHEMA_ID = "https://github.com/gpuwatch/gpuwatch/blob/main/gpuwatch/policy/policy.schema.json"
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from gpuwatch.policy.model import ActionKind, ActionStep, Tuning
+from gpuwatch.policy.rules import ActionKind, ActionStep, Tuning
 
 
 class LadderMove(StrEnum):

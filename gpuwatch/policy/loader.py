@@ -23,8 +23,18 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from gpuwatch.errors import PolicyError
-from gpuwatch.policy.model import (
+from gpuwatch.core.errors import PolicyError
+from gpuwatch.core.safeio import RefusedFile, read_file_beneath
+from gpuwatch.core.units import (
+    DURATION_FORM,
+    RATIO_FORM,
+    SIZE_FORM,
+    MemoryAmount,
+    parse_duration_s,
+    parse_ratio,
+    parse_size,
+)
+from gpuwatch.policy.rules import (
     DEFAULT_PROTECTED_NAMESPACES,
     ActionKind,
     ActionStep,
@@ -41,16 +51,6 @@ from gpuwatch.policy.model import (
     Selector,
     Tuning,
 )
-from gpuwatch.policy.units import (
-    DURATION_FORM,
-    RATIO_FORM,
-    SIZE_FORM,
-    MemoryAmount,
-    parse_duration_s,
-    parse_ratio,
-    parse_size,
-)
-from gpuwatch.safeio import RefusedFile, read_file_beneath
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from gpuwatch.model import ContainerIdentity
-from gpuwatch.policy.model import Policy, Rule, Selector
+from gpuwatch.core.model import ContainerIdentity
+from gpuwatch.policy.rules import Policy, Rule, Selector
 
 
 @dataclass(frozen=True)

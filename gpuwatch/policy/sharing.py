@@ -19,8 +19,8 @@ What the node does with them (enforce/enforcer.py; policy/SCHEMA.md "Sharing mod
   unless its policy rule has a throttle step of its own.
 * auto -- for the scheduler; the node records and exports it and enforces nothing.
 
-Everything here is pure (no I/O); the vocabulary lives here so the metadata reader, the
-enforcer and the exporter agree on it.
+Everything here is pure (no I/O); the vocabulary (keys, modes, parsers) lives in
+core/annotations.py, where the metadata reader and the extender read it too.
 """
 
 from __future__ import annotations
@@ -29,64 +29,21 @@ import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatch.model import ContainerIdentity, Snapshot
+from gpuwatch.core.annotations import (
+    EXCLUSIVE,
+    GPU_SHARE_ANNOTATION,
+    SHARED,
+    SHARING_ANNOTATION,
+    parse_gpu_share,
+    parse_sharing_mode,
+)
+from gpuwatch.core.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.match import select_rule
-from gpuwatch.policy.model import Policy
-from gpuwatch.policy.units import parse_ratio
+from gpuwatch.policy.rules import Policy
 
-SHARING_ANNOTATION = "gpuwatch.io/sharing"
-GPU_SHARE_ANNOTATION = "gpuwatch.io/gpu-share"
-EXCLUSIVE, SHARED, AUTO = "exclusive", "shared", "auto"
-SHARING_MODES = (EXCLUSIVE, SHARED, AUTO)
-ANNOTATION_KEYS = (SHARING_ANNOTATION, GPU_SHARE_ANNOTATION)
 GATE_MAX_GPUS = 64
 """GPU indices the device gate's allow mask can name (layout.GW_GATE_MAX_GPUS): a container
 that may open every GPU but some is given the allow list 0..63 without those."""
-
-
-def parse_sharing_mode(value: object) -> str | None:
-    """"exclusive" / "shared" / "auto" (case and surrounding blanks ignored), else None."""
-    if not isinstance(value, str):
-        return None
-    mode = value.strip().lower()
-    return mode if mode in SHARING_MODES else None
-
-
-def parse_gpu_share(value: object) -> float | None:
-    """"0.5" or "50%" -> 0.5; None unless a number in (0, 1] (of one GPU's time)."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return parse_ratio(value, maximum=1.0)
-    except ValueError:
-        return None
-
-
-def format_share(share: float) -> str:
-    return f"{share:.6g}"
-
-
-def sharing_annotations(annotations: Mapping[str, object]) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """(the valid gpuwatch.io sharing annotations, normalised, as label pairs; one problem
-    sentence per invalid one). Absent keys are neither."""
-    pairs: list[tuple[str, str]] = []
-    problems: list[str] = []
-    if SHARING_ANNOTATION in annotations:
-        raw = annotations[SHARING_ANNOTATION]
-        mode = parse_sharing_mode(raw)
-        if mode is None:
-            problems.append(f"{SHARING_ANNOTATION}={raw!r} is not one of {', '.join(SHARING_MODES)}")
-        else:
-            pairs.append((SHARING_ANNOTATION, mode))
-    if GPU_SHARE_ANNOTATION in annotations:
-        raw = annotations[GPU_SHARE_ANNOTATION]
-        share = parse_gpu_share(raw)
-        if share is None:
-            problems.append(f"{GPU_SHARE_ANNOTATION}={raw!r} is not a share of one GPU in (0, 1] "
-                            '(like "0.5" or "50%")')
-        else:
-            pairs.append((GPU_SHARE_ANNOTATION, format_share(share)))
-    return tuple(pairs), tuple(problems)
 
 
 @dataclass(frozen=True)

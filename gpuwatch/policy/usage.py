@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo
-from gpuwatch.policy.model import LimitKind, Limits
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo
+from gpuwatch.policy.rules import LimitKind, Limits
 
 DISALLOWED_DEVICE_RATIO = 10.0
 """Ratio reported when a container uses a GPU it is not allowed: beyond every ladder step."""

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.core.errors import ProbesUnavailable
 from gpuwatch.probes.layout import BPF_DIR
 
 # concatenated in this order into BCC's main text (BCC only turns main-text functions into

@@ -11,10 +11,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 
-from gpuwatch.model import ProbeCounters, ProcessProbe
+from gpuwatch.core.model import ProbeCounters, ProcessProbe
 from gpuwatch.probes import layout
 from gpuwatch.probes.bpfsys import BpfMap
-from gpuwatch.probes.events import device_index, ioctl_op_name
+from gpuwatch.probes.kernel_events import device_index, ioctl_op_name
 
 
 def read_counters(maps: Mapping[str, BpfMap], launches_on: bool, cuda_on: bool) -> tuple[ProbeCounters, ...]:

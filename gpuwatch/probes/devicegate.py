@@ -25,7 +25,7 @@ import threading
 import time
 
 from gpuwatch.containers.cgroupfs import CgroupIdIndex, cgroup_dir, discover_mounts
-from gpuwatch.errors import EnforcementError, ProbesUnavailable
+from gpuwatch.core.errors import EnforcementError, ProbesUnavailable
 from gpuwatch.probes import bcc_loader, bpfsys, layout
 from gpuwatch.probes.devnodes import DevNum, GpuNodes, resolve_gpu_nodes
 

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts
-from gpuwatch.errors import ProbesUnavailable
-from gpuwatch.model import ProbeCounters, ProcessProbe
+from gpuwatch.core.errors import ProbesUnavailable
+from gpuwatch.core.model import ProbeCounters, ProcessProbe
 from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
 from gpuwatch.probes.counters import read_counters, read_process_counters, read_uvm_ioctls
 from gpuwatch.probes.elf import ElfError, symbol_offsets
-from gpuwatch.probes.events import ProbeEvent
+from gpuwatch.probes.kernel_events import ProbeEvent
 from gpuwatch.probes.libcuda import LibraryCopy, discover
 from gpuwatch.probes.ringbuf import RingBuffer
 

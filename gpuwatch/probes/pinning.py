@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.core.errors import ProbesUnavailable
 from gpuwatch.probes import bpfsys, layout
 
 BPFFS = Path("/sys/fs/bpf")

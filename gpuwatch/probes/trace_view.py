@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpuwatch.model import ContainerIdentity
-from gpuwatch.probes.events import ProbeEvent
+from gpuwatch.core.model import ContainerIdentity
+from gpuwatch.probes.kernel_events import ProbeEvent
 
 HEADER = f"{'TIME(s)':>10} {'PID':>7} {'COMM':<16} {'CONTAINER':<40} {'EVENT':<16} DETAIL"
 

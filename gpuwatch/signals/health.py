@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatch.model import DeviceInfo, GpuHealth
+from gpuwatch.core.model import DeviceInfo, GpuHealth
 
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 63, 68, 92, 109})
 DEFAULT_NVML_ERROR_SWEEPS = 3

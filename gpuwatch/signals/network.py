@@ -91,8 +91,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.model import ContainerIdentity, ContainerNetwork, NicStats, RdmaPort
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.model import ContainerIdentity, ContainerNetwork, NicStats, RdmaPort
 
 log = logging.getLogger(__name__)
 

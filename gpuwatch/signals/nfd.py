@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gpuwatch.model import DeviceInfo, GpuLink, GpuTopology, NodeSignals, Snapshot, TopologyLevel
+from gpuwatch.core.model import DeviceInfo, GpuLink, GpuTopology, NodeSignals, Snapshot, TopologyLevel
 
 log = logging.getLogger(__name__)
 

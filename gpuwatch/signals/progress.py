@@ -19,7 +19,7 @@ kept. (A writer without newlines cannot be told from a half-written number; use 
 How a file is read (`read_progress_file`), for each container that declared one:
 * through /proc/<pid>/root of one of its GPU processes (the next one if that pid is gone),
   so the path means what it means inside the container: its mount namespace, its volumes;
-* by gpuwatch/containerfile.py, the one reader of files inside containers: resolved with
+* by gpuwatch/core/containerfile.py, the one reader of files inside containers: resolved with
   openat2(2) RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS (symlinks resolve as the job sees
   them, "/" and ".." stop at the container's root, /proc magic links are refused; without
   openat2 every symlink is refused), opened O_PATH and checked to be a regular file of an
@@ -44,21 +44,23 @@ import math
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import NamedTuple
 
-from gpuwatch.containerfile import ContainerFileError, read_container_file
-from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage
+from gpuwatch.core.annotations import (
+    MAXIMIZE,
+    MINIMIZE,
+    PROGRESS_FILE_ANNOTATION,
+    PROGRESS_GOAL_ANNOTATION,
+    parse_progress_goal,
+    parse_progress_path,
+)
+from gpuwatch.core.containerfile import ContainerFileError, read_container_file
+from gpuwatch.core.model import ContainerIdentity, ContainerProgress, ContainerUsage
 
-PROGRESS_FILE_ANNOTATION = "gpuwatch.io/progress-file"
-PROGRESS_GOAL_ANNOTATION = "gpuwatch.io/progress-goal"
-PROGRESS_ANNOTATION_KEYS = (PROGRESS_FILE_ANNOTATION, PROGRESS_GOAL_ANNOTATION)
-MINIMIZE, MAXIMIZE = "minimize", "maximize"
-GOALS = (MINIMIZE, MAXIMIZE)
 MAX_PROGRESS_BYTES = 256
-MAX_PATH_CHARS = 1024
 ERROR_REASONS = (
     "pid_gone",  # no process of the container could be opened (/proc/<pid>/root)
     "missing",  # no such file (or a directory on the way is not one)
@@ -71,54 +73,6 @@ ERROR_REASONS = (
     "garbage",  # not a finite number
     "rights",  # the process's file rights could not be taken (refused, not read as root)
 )
-
-
-# ---- the annotation vocabulary (pure) -------------------------------------------------------
-
-
-def parse_progress_path(value: object) -> str | None:
-    """An absolute path inside the container, normalised ("//a/./b" -> "/a/b"); None for a
-    relative path, one with "..", a NUL byte or more than MAX_PATH_CHARS characters."""
-    if not isinstance(value, str):
-        return None
-    text = value.strip()
-    if not text.startswith("/") or "\0" in text or len(text) > MAX_PATH_CHARS:
-        return None
-    parts = [p for p in text.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        return None
-    return "/" + "/".join(parts)
-
-
-def parse_progress_goal(value: object) -> str | None:
-    """"minimize" / "maximize" (case and surrounding blanks ignored), else None."""
-    if not isinstance(value, str):
-        return None
-    goal = value.strip().lower()
-    return goal if goal in GOALS else None
-
-
-def progress_annotations(annotations: Mapping[str, object]) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """(the valid gpuwatch.io progress annotations, normalised, as label pairs; one problem
-    sentence per invalid one). Absent keys are neither."""
-    pairs: list[tuple[str, str]] = []
-    problems: list[str] = []
-    if PROGRESS_FILE_ANNOTATION in annotations:
-        raw = annotations[PROGRESS_FILE_ANNOTATION]
-        path = parse_progress_path(raw)
-        if path is None:
-            problems.append(f"{PROGRESS_FILE_ANNOTATION}={raw!r} is not an absolute path inside the container "
-                            f'(no "..", at most {MAX_PATH_CHARS} characters)')
-        else:
-            pairs.append((PROGRESS_FILE_ANNOTATION, path))
-    if PROGRESS_GOAL_ANNOTATION in annotations:
-        raw = annotations[PROGRESS_GOAL_ANNOTATION]
-        goal = parse_progress_goal(raw)
-        if goal is None:
-            problems.append(f"{PROGRESS_GOAL_ANNOTATION}={raw!r} is not one of {', '.join(GOALS)}")
-        else:
-            pairs.append((PROGRESS_GOAL_ANNOTATION, goal))
-    return tuple(pairs), tuple(problems)
 
 
 @dataclass(frozen=True)
@@ -184,7 +138,7 @@ def parse_progress_value(data: bytes, expect_newline: bool = False) -> ProgressR
 def read_progress_file(proc_root: str, pid: int, path: str, max_bytes: int = MAX_PROGRESS_BYTES,
                        resolver: str = "auto") -> bytes:
     """The bytes of `path` as process `pid` sees it and may read it, through the one safe
-    container-file reader (gpuwatch/containerfile.py: resolved in its root, typed on an O_PATH
+    container-file reader (gpuwatch/core/containerfile.py: resolved in its root, typed on an O_PATH
     fd before any open, read with its fsuid/fsgid/groups). Raises ProgressReadError.
     `resolver`: "auto" (openat2 where the kernel has it, else the O_NOFOLLOW walk),
     "openat2" or "walk" (tests)."""
@@ -398,21 +352,12 @@ def _group(containers: Iterable[ContainerUsage]) -> list[tuple[ContainerIdentity
 
 __all__ = [
     "ERROR_REASONS",
-    "GOALS",
-    "MAXIMIZE",
     "MAX_PROGRESS_BYTES",
-    "MINIMIZE",
-    "PROGRESS_ANNOTATION_KEYS",
-    "PROGRESS_FILE_ANNOTATION",
-    "PROGRESS_GOAL_ANNOTATION",
     "ProgressReadError",
     "ProgressReading",
     "ProgressRequest",
     "ProgressTracker",
-    "parse_progress_goal",
-    "parse_progress_path",
     "parse_progress_value",
-    "progress_annotations",
     "progress_request_of",
     "read_progress_file",
 ]

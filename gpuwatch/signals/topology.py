@@ -9,7 +9,7 @@ board 60 -- plus 100 per NVLink between the two GPUs (direct or through NVSwitch
 
 from __future__ import annotations
 
-from gpuwatch.model import GpuLink, TopologyLevel
+from gpuwatch.core.model import GpuLink, TopologyLevel
 
 _LEVEL_SCORES = {
     TopologyLevel.INTERNAL: 60,

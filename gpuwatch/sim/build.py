@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("simstate.h", "simstate.c", "nvml.c", "cuda.c", "simworker.c")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwatch.containers.cgroupfs import CgroupMounts, discover_mounts, parse_mountinfo
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 
 __all__ = [
     "CREATED_MARK", "CgroupMounts", "detect", "is_marked_created", "kill_all", "make_dirs", "mark_created",

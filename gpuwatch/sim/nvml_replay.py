@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 
 MAGIC = b"GWNVRP01"
 VERSION = 1

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.probes.layout import RM_ALLOC_PARAMS_BYTES
 from gpuwatch.sim import fusedev
 from gpuwatch.sim.tracefile import (

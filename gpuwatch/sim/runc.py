@@ -43,7 +43,7 @@ from types import TracebackType
 from typing import Any
 
 import gpuwatch
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.sim import bundle as oci
 from gpuwatch.sim import cgroups
 

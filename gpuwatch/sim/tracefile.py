@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 
 TRACE_FORMAT = "gpuwatch-ioctl-trace"
 TRACE_VERSION = 1

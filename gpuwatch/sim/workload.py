@@ -51,7 +51,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
 EXIT_OOM = 2

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpuwatch.model import Snapshot
-from gpuwatch.snapshot_doc import iso_time, wall_time_s
+from gpuwatch.core.model import Snapshot
+from gpuwatch.core.snapshot_doc import iso_time, wall_time_s
 from gpuwatch.tui import fmt
-from gpuwatch.tui.cluster import ClusterSnapshot, is_cluster
-from gpuwatch.tui.state import (
+from gpuwatch.tui.cluster_view import ClusterSnapshot, is_cluster
+from gpuwatch.tui.view_state import (
     ContainerRow,
     GpuRow,
     MessageRow,

@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.model import EMPTY_SNAPSHOT, Snapshot
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.model import EMPTY_SNAPSHOT, Snapshot
 from gpuwatch.tui import render
-from gpuwatch.tui.cluster import is_cluster
+from gpuwatch.tui.cluster_view import is_cluster
 from gpuwatch.tui.render import Style
 from gpuwatch.tui.sources import SnapshotSource
-from gpuwatch.tui.state import Row, ViewState, apply_key, build_rows, reconcile, rows_key
+from gpuwatch.tui.view_state import Row, ViewState, apply_key, build_rows, reconcile, rows_key
 
 Clock = Callable[[], float]
 

@@ -11,10 +11,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.httpclient import DEFAULT_MAX_BYTES, BoundedHttpClient, HttpClientError
-from gpuwatch.model import Snapshot
-from gpuwatch.snapshot_doc import MAX_JSON_DEPTH, SnapshotDocError, loads
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.httpclient import DEFAULT_MAX_BYTES, BoundedHttpClient, HttpClientError
+from gpuwatch.core.model import Snapshot
+from gpuwatch.core.snapshot_doc import MAX_JSON_DEPTH, SnapshotDocError, loads
 
 
 class SnapshotSource(Protocol):
@@ -86,7 +86,7 @@ class AgentSource:
     `gpuwatch top --agent http://127.0.0.1:9400` shows exactly what the agent exports,
     e.g. from inside the agent's pod. The document's monotonic timestamp is replaced by
     its wall time, since the agent's clock origin means nothing here. The answer is read
-    through gpuwatch.httpclient: at most `max_bytes`, within `timeout_s` from connect to
+    through gpuwatch.core.httpclient: at most `max_bytes`, within `timeout_s` from connect to
     the last byte, nested at most snapshot_doc.MAX_JSON_DEPTH deep -- a server that never
     stops answering costs a bounded amount, never the terminal's memory.
     """

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwatch.containers import BundleRoots
-from gpuwatch.exporter.server import ExporterServer, registry_for, serve
-from gpuwatch.sampler import Sampler, build_sampler
+from gpuwatch.exporter.metrics_server import ExporterServer, registry_for, serve
+from gpuwatch.node.sampler import Sampler, build_sampler
 from gpuwatch.sim import demo
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer

@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import read_audit
-from gpuwatch.enforce.cgroupfs import detect_roots, process_cpu_seconds
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.enforce.cgroup_ops import detect_roots, process_cpu_seconds
 from gpuwatch.sim.runc import RunningContainer
 
 WORKER = r"""

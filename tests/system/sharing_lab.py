@@ -24,11 +24,11 @@ from gpuwatch.sim.node import SimNode
 class InProcessAgent:
     def __init__(self, sim: SimNode, lab_dirs: dict[str, Path], work: Path, policy_text: str,
                  interval_s: float = 0.25) -> None:
+        from gpuwatch.agent.enforcer_factory import CgroupNodeContainers, build_enforcer
         from gpuwatch.containers import BundleRoots
-        from gpuwatch.enforce.factory import CgroupNodeContainers, build_enforcer
         from gpuwatch.enforce.limitmap import NullDeviceGate
+        from gpuwatch.node.sampler import build_sampler
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
-        from gpuwatch.sampler import build_sampler
 
         os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)
         roots = BundleRoots(containerd_tasks=(str(lab_dirs["bundle_root"]),), runc_state=(str(lab_dirs["runc_root"]),))
@@ -57,7 +57,7 @@ class InProcessAgent:
         self._thread.start()
 
     def _loop(self) -> None:
-        from gpuwatch.errors import GpuwatchError
+        from gpuwatch.core.errors import GpuwatchError
 
         last = 0.0
         while not self._stop.wait(self.interval_s / 4):

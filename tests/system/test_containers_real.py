@@ -23,7 +23,7 @@ import pytest
 
 from gpuwatch.containers import BundleRoots, IdentityResolver
 from gpuwatch.containers.cgroupfs import discover_mounts
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 
 RO_BINDS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
 
@@ -193,7 +193,7 @@ AGENT_IN_NAMESPACE = r"""
 import json, os, sys
 from gpuwatch.containers import BundleRoots, IdentityResolver
 from gpuwatch.containers.cgroupfs import discover_mounts
-from gpuwatch.enforce.cgroupfs import CgroupTree, own_cgroup_paths
+from gpuwatch.enforce.cgroup_ops import CgroupTree, own_cgroup_paths
 from gpuwatch.policy.decisions import SafetyContext
 
 args = json.loads(sys.argv[1])

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.agent.enforcer_factory import build_device_gate, build_enforcer
 from gpuwatch.containers.cgroupfs import discover_mounts
-from gpuwatch.enforce.factory import build_device_gate, build_enforcer
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.enforce.limitmap import NullDeviceGate
-from gpuwatch.model import ContainerIdentity
 from gpuwatch.probes import bpfsys
 from gpuwatch.probes.devicegate import BpfDeviceGate
 from gpuwatch.probes.devnodes import resolve_gpu_nodes

@@ -18,10 +18,10 @@ import pytest
 
 from gpuwatch.enforce.actions import Status
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroupfs import V1_FREEZER, V2, CgroupTree
+from gpuwatch.enforce.cgroup_ops import V1_FREEZER, V2, CgroupTree
 from gpuwatch.enforce.control import FreezeControl, cgroup_cpu_busy
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.frozen import FrozenRegistry
+from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry
 from tests.system.enforce_lab import GIB, CgroupLab, Worker, identity, snapshot
 
 pytestmark = [pytest.mark.root]

@@ -28,15 +28,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.agent.enforcer_factory import ProbeLimitMap
+from gpuwatch.core.labels import identity_labels
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.crosscheck import SUSPENDED_METRIC
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.factory import ProbeLimitMap
+from gpuwatch.enforce.inkernel_guard import SUSPENDED_METRIC
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.exporter.crosscheck import DIVERGENCE_METRIC
-from gpuwatch.exporter.labels import identity_labels
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
-from gpuwatch.policy.crosscheck import compare_probe_nvml
+from gpuwatch.exporter.crosscheck_metrics import DIVERGENCE_METRIC
+from gpuwatch.policy.probe_trust import compare_probe_nvml
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.core.model import ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.model import ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

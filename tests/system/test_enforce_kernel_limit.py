@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.agent.enforcer_factory import ProbeLimitMap
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.factory import ProbeLimitMap
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

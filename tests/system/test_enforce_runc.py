@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.control import cgroup_cpu_busy
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.sim import node as simnode

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.containers.resolver import IdentityResolver
+from gpuwatch.core.model import DeviceInfo, GpuProcess, GpuSweep
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.limitmap import NullLimitMap
-from gpuwatch.model import DeviceInfo, GpuProcess, GpuSweep
-from gpuwatch.policy.crosscheck import compare_probe_nvml
+from gpuwatch.node.sampler import Sampler
+from gpuwatch.policy.probe_trust import compare_probe_nvml
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
-from gpuwatch.sampler import Sampler
 from gpuwatch.sim import node as simnode
 from tests.system.sim_helpers import Workers, cgroup2_root, private_node, workers
 
@@ -144,7 +144,7 @@ def test_probe_bytes_follow_the_identity_nvml_gets(sim: simnode.SimNode, tmp_pat
 
 def enforce_refused(snapshot: object, cid_b: str, tmp_path: Path) -> None:
     """A kill limit on B: no kernel limit pushed, the refusal audited with its reason."""
-    from gpuwatch.model import Snapshot
+    from gpuwatch.core.model import Snapshot
 
     assert isinstance(snapshot, Snapshot)
     (tmp_path / "policy.yaml").write_text(

@@ -49,7 +49,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuwatch.errors import ProbesUnavailable
+from gpuwatch.core.errors import ProbesUnavailable
 from gpuwatch.probes.bcc_loader import (
     BUNDLED_HEADERS,
     HEADERS_FROM_BUNDLED,

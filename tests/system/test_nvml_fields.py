@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     from gpuwatch.exporter.collector import SnapshotCollector
     from gpuwatch.exporter.exposition import render_text
     from gpuwatch.gpu.nvml import NvmlBackend
-    from gpuwatch.model import Snapshot
+    from gpuwatch.core.model import Snapshot
     from prometheus_client import CollectorRegistry
     backend = NvmlBackend(library_path=sys.argv[1])
     first = backend.sweep()

@@ -31,7 +31,7 @@ MIB = 1 << 20
 SWEEP_SCRIPT = textwrap.dedent("""
     import dataclasses, json, os, sys, time
     from pathlib import Path
-    from gpuwatch.errors import NvmlCallFailed
+    from gpuwatch.core.errors import NvmlCallFailed
     from gpuwatch.gpu.nvml import NvmlBackend
     from gpuwatch.sim import get_node, inject_fault
     backend = NvmlBackend(library_path=sys.argv[1])

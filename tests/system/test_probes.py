@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.model import ProbeCounters
+from gpuwatch.core.model import ProbeCounters
 from gpuwatch.probes import bpfsys
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from tests.conftest import need_bcc
@@ -520,7 +520,7 @@ def test_read_attaches_the_libcuda_copy_of_a_new_gpu_process(lab: Lab, manager: 
 
 
 def test_kernel_refusal_is_reported_as_probes_unavailable(bcc_required: None) -> None:
-    from gpuwatch.errors import ProbesUnavailable
+    from gpuwatch.core.errors import ProbesUnavailable
     from gpuwatch.probes import bcc_loader
 
     with pytest.raises(ProbesUnavailable) as info:  # a hash map with 0 entries is refused

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.model import ProbeCounters
+from gpuwatch.core.model import ProbeCounters
 from gpuwatch.probes import layout
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import fusedev

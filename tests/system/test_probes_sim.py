@@ -19,7 +19,7 @@ import pytest
 
 from gpuwatch.containers import BundleRoots
 from gpuwatch.containers.resolver import IdentityResolver
-from gpuwatch.model import ProbeCounters
+from gpuwatch.core.model import ProbeCounters
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

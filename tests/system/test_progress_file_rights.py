@@ -3,7 +3,7 @@ opened, and their content never reaches an error, a log, /snapshot.json or the m
 (issue 20, item 5).
 
 A "container" here is a child process run by setpriv as uid 12345 (root "/", so paths are
-host paths): the kernel checks what gpuwatch/containerfile.py reads against that uid, its
+host paths): the kernel checks what gpuwatch/core/containerfile.py reads against that uid, its
 groups and its capabilities, exactly as for the child itself.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuwatch import snapshot_doc
+from gpuwatch.core import snapshot_doc
+from gpuwatch.core.model import Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.model import Snapshot
 from gpuwatch.signals.progress import ProgressReadError, ProgressTracker, parse_progress_value, read_progress_file
 from tests.conftest import need_binary, need_root
 from tests.unit.test_progress_tracker import container, declared, usage

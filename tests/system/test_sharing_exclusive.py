@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.agent.enforcer_factory import CgroupNodeContainers, build_enforcer
 from gpuwatch.containers.metadata import BundleRoots
 from gpuwatch.containers.resolver import IdentityResolver
+from gpuwatch.core.annotations import SHARING_ANNOTATION
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import read_audit
-from gpuwatch.enforce.factory import CgroupNodeContainers, build_enforcer
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.policy.sharing import SHARING_ANNOTATION, sharing_of
+from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.probes.devicegate import BpfDeviceGate
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch import snapshot_doc
+from gpuwatch.core import snapshot_doc
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.sim import demo
 from gpuwatch.sim import node as simnode

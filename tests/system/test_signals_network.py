@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.signals.network import VANISHED, NetworkReader
 from gpuwatch.sim import bundle as oci
 from gpuwatch.sim import cgroups

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.sim import cgroups
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.conftest import need

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch import snapshot_doc as jsondoc
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core import snapshot_doc as jsondoc
+from gpuwatch.core.model import ContainerIdentity
 from tests.conftest import need_binary
 from tests.unit.test_tui_samples import GIB, sample_snapshot, usage
 

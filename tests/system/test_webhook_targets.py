@@ -12,12 +12,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.webhook import WebhookRequest, WebhookServer, parse_alertmanager_payload
-from gpuwatch.enforce.webhook_requests import RepeatGate, find_target, normalize_container_id
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.enforce.webhook.receiver import WebhookRequest, WebhookServer, parse_alertmanager_payload
+from gpuwatch.enforce.webhook.requests import RepeatGate, find_target, normalize_container_id
 
 POLICY = "rules:\n  - name: all\n    match: {default: true}\n"
 TOKEN = "webhook-test-token-0123456789"

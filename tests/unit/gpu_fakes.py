@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from gpuwatch.errors import NvmlCallFailed, NvmlUnavailable
-from gpuwatch.model import (
+from gpuwatch.core.errors import NvmlCallFailed, NvmlUnavailable
+from gpuwatch.core.model import (
     ContainerIdentity,
     DeviceInfo,
     GpuProcess,

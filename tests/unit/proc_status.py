@@ -1,4 +1,4 @@
-"""A fixture /proc/<pid>/status: the file rights gpuwatch/containerfile.py reads a container's
+"""A fixture /proc/<pid>/status: the file rights gpuwatch/core/containerfile.py reads a container's
 files with (Uid/Gid 4th field, Groups, CapEff). By default this test process's own."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`gpuwatch agent` -> `python -m gpuwatch.agent`: the config survives the hand-over exactly, and
+"""`gpuwatch agent` -> `python -m gpuwatch.agent.daemon`: the config survives the hand-over exactly, and
 the daemon refuses to start without one (it is not a second command line)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from gpuwatch.agent import CONFIG_ENV, AgentConfig, config_from_json, config_to_json
+from gpuwatch.agent.daemon import CONFIG_ENV, AgentConfig, config_from_json, config_to_json
 from gpuwatch.containers import BundleRoots
 
 
@@ -23,7 +23,7 @@ def test_every_field_survives_the_hand_over() -> None:
 
 def test_the_daemon_without_a_handed_config_says_how_to_start_it() -> None:
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
-    out = subprocess.run([sys.executable, "-m", "gpuwatch.agent"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gpuwatch.agent.daemon"], env=env, capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 2
     assert "gpuwatch agent" in out.stderr and "Traceback" not in out.stderr

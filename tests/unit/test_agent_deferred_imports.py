@@ -22,7 +22,7 @@ def _run(code: str) -> dict[str, object]:
 def test_submodules_import_without_the_package_init_and_the_package_still_works() -> None:
     result = _run("""
 import json, sys
-from gpuwatch.agent import defer_package_init
+from gpuwatch.agent.daemon import defer_package_init
 assert defer_package_init("prometheus_client")
 assert not defer_package_init("prometheus_client")  # already there: nothing to do
 from prometheus_client.core import GaugeMetricFamily
@@ -43,7 +43,7 @@ print(json.dumps({"lean": lean, "text": generate_latest(registry).decode(),
 def test_a_missing_package_is_left_alone() -> None:
     result = _run("""
 import json
-from gpuwatch.agent import defer_package_init
+from gpuwatch.agent.daemon import defer_package_init
 print(json.dumps({"deferred": defer_package_init("no_such_package_gpuwatch")}))
 """)
     assert result["deferred"] is False
@@ -52,11 +52,11 @@ print(json.dumps({"deferred": defer_package_init("no_such_package_gpuwatch")}))
 def test_the_agent_modules_import_no_optional_heavyweights() -> None:
     result = _run("""
 import json, sys
-from gpuwatch.agent import DEFERRED_PACKAGES, defer_package_init
+from gpuwatch.agent.daemon import DEFERRED_PACKAGES, defer_package_init
 for package in DEFERRED_PACKAGES:
     defer_package_init(package)
-import gpuwatch.cli.agent, gpuwatch.agent, gpuwatch.sampler, gpuwatch.exporter.server
-import gpuwatch.exporter.collector, gpuwatch.signals.collector, gpuwatch.signals.network
+import gpuwatch.cli.agent, gpuwatch.agent.daemon, gpuwatch.node.sampler, gpuwatch.exporter.metrics_server
+import gpuwatch.exporter.collector, gpuwatch.signals.signal_collector, gpuwatch.signals.network
 import gpuwatch.signals.progress, gpuwatch.signals.kmsg
 heavy = ("pyroute2", "yaml", "bcc", "prometheus_client.exposition", "asyncio", "sqlite3")
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m in heavy)))

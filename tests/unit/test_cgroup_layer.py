@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.cli.hostcheck import HostRoots, Status, cgroup_mode, check_cgroups
 from gpuwatch.containers.cgroupfs import (
     CgroupMounts,
     discover_mounts,
@@ -17,9 +18,8 @@ from gpuwatch.containers.cgroupfs import (
     parse_mountinfo,
 )
 from gpuwatch.containers.pidcgroup import cgroup_id_of_pid
-from gpuwatch.enforce.cgroupfs import CgroupTree
-from gpuwatch.errors import EnforcementError
-from gpuwatch.hostcheck import HostRoots, Status, cgroup_mode, check_cgroups
+from gpuwatch.core.errors import EnforcementError
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.attribution import AttributionState, CounterTable, attribute
 from gpuwatch.containers import BundleRoots, IdentityResolver
-from gpuwatch.model import (
+from gpuwatch.core.model import (
     ContainerIdentity,
     ContainerUsage,
     DeviceInfo,
@@ -26,9 +25,10 @@ from gpuwatch.model import (
     ProcessIdentity,
     ProcessUsage,
 )
-from gpuwatch.signals.collector import SignalCollector
+from gpuwatch.node.attribution import AttributionState, CounterTable, attribute
 from gpuwatch.signals.kmsg import KmsgReader
 from gpuwatch.signals.progress import ProgressTracker
+from gpuwatch.signals.signal_collector import SignalCollector
 from tests.unit.proc_status import write_status
 
 GPU = "GPU-fake-0"

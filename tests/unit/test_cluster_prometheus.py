@@ -24,7 +24,7 @@ from gpuwatch.cluster.prometheus import (
     PrometheusUnreachable,
     Sample,
 )
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.core.errors import GpuwatchError
 
 
 @dataclass

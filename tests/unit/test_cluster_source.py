@@ -9,8 +9,8 @@ import time
 import pytest
 
 from gpuwatch.cluster.prometheus import PrometheusError, PrometheusQueryError
+from gpuwatch.cluster.queries import placement_queries, pods_queries, static_queries
 from gpuwatch.cluster.source import PrometheusCluster
-from gpuwatch.cluster.state import placement_queries, pods_queries, static_queries
 from tests.unit.test_cluster_prometheus import Answer, FakeClock, FakePrometheus, fake_prometheus, vector
 
 NODE = {"node": "n1", "gpu": "0"}

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.cluster.model import ClusterContainer, ClusterGpu
 from gpuwatch.cluster.prometheus import Sample
-from gpuwatch.cluster.state import (
+from gpuwatch.cluster.queries import (
     CLUSTER_QUERIES,
     build_state,
     cluster_queries,
@@ -19,6 +18,7 @@ from gpuwatch.cluster.state import (
     simulated_nodes,
     stale_nodes,
 )
+from gpuwatch.cluster.values import ClusterContainer, ClusterGpu
 
 NOW = 1_800_000_000.0
 GIB = 1024.0**3

@@ -1,4 +1,4 @@
-"""gpuwatch/containerfile.py on fixture trees: the rights a process's status gives, refusal
+"""gpuwatch/core/containerfile.py on fixture trees: the rights a process's status gives, refusal
 when they cannot be taken, and error text that never carries a file's content."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.containerfile import ContainerFileError, FileRights, parse_rights, read_container_file
+from gpuwatch.core.containerfile import ContainerFileError, FileRights, parse_rights, read_container_file
 from gpuwatch.signals.progress import ProgressReadError, parse_progress_value
 from tests.unit.proc_status import write_status
 

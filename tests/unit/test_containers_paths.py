@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gpuwatch.containers.cgroup_path import normalize_pod_uid, parse_cgroup_path
-from gpuwatch.model import HOST_IDENTITY
+from gpuwatch.core.model import HOST_IDENTITY
 
 A = "a" * 64
 B = "0123456789abcdef" * 4

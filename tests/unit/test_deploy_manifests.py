@@ -147,7 +147,7 @@ def test_nodefeaturerule_taints_unhealthy_gpu_nodes() -> None:
 def test_nodefeaturerule_matches_what_the_agent_writes(tmp_path: Path) -> None:
     """Evaluate the rule (Gt on the integer feature value, absent -> no match) on the files the
     agent writes for a healthy node, a node with an unhealthy GPU, and a node with no GPU facts."""
-    from gpuwatch.model import DeviceInfo, GpuHealth, NodeSignals, Snapshot
+    from gpuwatch.core.model import DeviceInfo, GpuHealth, NodeSignals, Snapshot
     from gpuwatch.signals.nfd import FeatureFileWriter, node_labels
     from tests.nfd_rules import check_feature_file
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, ProcessUsage, Snapshot
 from gpuwatch.enforce.audit import read_audit
-from gpuwatch.enforce.crosscheck import SUSPENDED_METRIC
+from gpuwatch.enforce.inkernel_guard import SUSPENDED_METRIC
 from gpuwatch.enforce.limitmap import NullLimitMap
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, ProcessUsage, Snapshot
 from tests.unit.test_enforce_enforcer import make, who
 
 MIB = 2**20
@@ -58,7 +58,7 @@ def test_diverging_probe_counter_suspends_then_resumes_the_kernel_limit(
         t += 0.5
         enforcer.on_snapshot(snap([(a, a_nvml_mib * MIB, a_probe_mib * MIB), (b, 200 * MIB, 200 * MIB)], t))
 
-    caplog.set_level(logging.INFO, logger="gpuwatch.enforce.crosscheck")
+    caplog.set_level(logging.INFO, logger="gpuwatch.enforce.inkernel_guard")
     step(300)
     assert limits.limits == {7: 1024 * MIB, 8: 1024 * MIB} and limits.actions[7] == "kill"
     assert suspended_gauge(registry, "a") == 0.0

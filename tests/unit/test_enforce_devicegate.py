@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gpuwatch.errors import EnforcementError
+from gpuwatch.core.errors import EnforcementError
 from tests.unit.test_enforce_enforcer import ALERT_POLICY, GIB, make, snap, who
 
 DEVICES_POLICY = ALERT_POLICY.replace("{gpu_memory: 1GiB, gpu_time_share: 50%}", "{devices: [1]}")

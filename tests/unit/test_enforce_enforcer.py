@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.agent.enforcer_factory import ProbeLimitMap
+from gpuwatch.core.errors import PolicyError
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.factory import ProbeLimitMap
-from gpuwatch.enforce.frozen import FrozenRegistry
+from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry
 from gpuwatch.enforce.limitmap import NullLimitMap
 from gpuwatch.enforce.probe_events import convert_events
-from gpuwatch.errors import PolicyError
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.policy.events import ProbeEventKind
 
 GIB = 2**30
@@ -209,7 +209,7 @@ def test_recover_thaws_what_the_state_file_lists(tmp_path: Path) -> None:
 
 
 def test_root_cgroup_path_is_refused(tmp_path: Path) -> None:
-    from gpuwatch.errors import EnforcementError
+    from gpuwatch.core.errors import EnforcementError
 
     tree = CgroupTree(v2_root=tmp_path, autodetect=False)
     for bad in ("/", "", "/a/../.."):

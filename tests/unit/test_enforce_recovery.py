@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.agent.nodelock import AgentAlreadyRunning, NodeLock, read_holder_pid
+from gpuwatch.core.errors import EnforcementError
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroupfs import V1_FREEZER, V2, CgroupTree
+from gpuwatch.enforce.cgroup_ops import V1_FREEZER, V2, CgroupTree
 from gpuwatch.enforce.control import FreezeControl
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.frozen import FrozenRegistry, RecoveryAction, parse_journal
-from gpuwatch.enforce.markers import (
+from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry, RecoveryAction, parse_journal
+from gpuwatch.enforce.freeze.markers import (
     LIVE_OTHER,
     MINE,
     STALE,
@@ -33,9 +35,7 @@ from gpuwatch.enforce.markers import (
     XattrMarkers,
     classify,
 )
-from gpuwatch.enforce.nodelock import AgentAlreadyRunning, NodeLock, read_holder_pid
-from gpuwatch.enforce.recovery import RecoveryMetrics, recover_node
-from gpuwatch.errors import EnforcementError
+from gpuwatch.enforce.freeze.recovery import RecoveryMetrics, recover_node
 
 PATH = "/kubepods/pod-a/c1"
 
@@ -396,7 +396,7 @@ def test_node_lock_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
 
 def test_node_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
     path = tmp_path / "agent.lock"
-    code = ("import os, sys; from gpuwatch.enforce.nodelock import NodeLock; "
+    code = ("import os, sys; from gpuwatch.agent.nodelock import NodeLock; "
             f"NodeLock({str(path)!r}).acquire(); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
     assert read_holder_pid(path) is not None  # the pid of the dead holder is still written

@@ -15,19 +15,17 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.agent.enforcer_factory import CgroupNodeContainers
 from gpuwatch.containers.metadata import metadata_from_annotations, parse_docker_config_v2
+from gpuwatch.core.annotations import GPU_SHARE_ANNOTATION, SHARING_ANNOTATION, label_annotations
+from gpuwatch.core.model import HOST_IDENTITY, ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.factory import CgroupNodeContainers
 from gpuwatch.enforce.limitmap import NullDeviceGate
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.model import HOST_IDENTITY, ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.policy.sharing import (
     GATE_MAX_GPUS,
-    GPU_SHARE_ANNOTATION,
-    SHARING_ANNOTATION,
     SharingRequest,
-    sharing_annotations,
     sharing_of,
 )
 from gpuwatch.probes import layout
@@ -51,16 +49,16 @@ rules:
 
 
 def test_valid_annotations_are_normalised() -> None:
-    pairs, problems = sharing_annotations({SHARING_ANNOTATION: " Exclusive ", GPU_SHARE_ANNOTATION: "50%"})
+    pairs, problems = label_annotations({SHARING_ANNOTATION: " Exclusive ", GPU_SHARE_ANNOTATION: "50%"})
     assert pairs == ((SHARING_ANNOTATION, "exclusive"), (GPU_SHARE_ANNOTATION, "0.5")) and problems == ()
-    assert sharing_annotations({GPU_SHARE_ANNOTATION: "0.25", "other": "x"}) == (((GPU_SHARE_ANNOTATION, "0.25"),), ())
-    assert sharing_annotations({}) == ((), ())
+    assert label_annotations({GPU_SHARE_ANNOTATION: "0.25", "other": "x"}) == (((GPU_SHARE_ANNOTATION, "0.25"),), ())
+    assert label_annotations({}) == ((), ())
 
 
 @pytest.mark.parametrize("mode", ["", "private", "exclusive,shared", "1"])
 @pytest.mark.parametrize("share", ["", "0", "1.5", "-0.5", "half", "nan", "150%", "0.5GiB"])
 def test_invalid_values_are_problems_not_values(mode: str, share: str) -> None:
-    pairs, problems = sharing_annotations({SHARING_ANNOTATION: mode, GPU_SHARE_ANNOTATION: share})
+    pairs, problems = label_annotations({SHARING_ANNOTATION: mode, GPU_SHARE_ANNOTATION: share})
     assert pairs == () and len(problems) == 2
 
 
@@ -275,7 +273,7 @@ def test_dry_run_audits_once_and_acts_on_nothing(tmp_path: Path) -> None:
 
 def test_without_a_kernel_gate_nothing_is_audited_and_the_log_says_so_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="gpuwatch.enforce.sharing")
+    caplog.set_level(logging.WARNING, logger="gpuwatch.enforce.sharing_hooks")
     enforcer = make(tmp_path, POLICY, device_gate=NullDeviceGate(), node_containers=Listing(IDLE))
     t = time.time()
     enforcer.on_snapshot(snap((HOLDER, 0, GIB), t=t - 1))
@@ -288,7 +286,7 @@ def test_without_a_kernel_gate_nothing_is_audited_and_the_log_says_so_once(
 
 def test_without_a_node_listing_snapshot_containers_are_still_gated(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="gpuwatch.enforce.sharing")
+    caplog.set_level(logging.WARNING, logger="gpuwatch.enforce.sharing_hooks")
     gate = RefusingGate(refusals=0)
     enforcer = make(tmp_path, POLICY, device_gate=gate)
     enforcer.on_snapshot(snap((HOLDER, 0, GIB), (TENANT, 1, GIB)))
@@ -318,7 +316,7 @@ def test_agent_and_host_root_are_never_gated(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     from gpuwatch.enforce.audit import AuditLog
-    from gpuwatch.enforce.cgroupfs import CgroupTree
+    from gpuwatch.enforce.cgroup_ops import CgroupTree
 
     enforcer = Enforcer(policy, audit=AuditLog(tmp_path / "audit.jsonl"),
                         cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from gpuwatch import snapshot_doc
+from gpuwatch.core import snapshot_doc
+from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.enforce.limitmap import NullLimitMap
-from gpuwatch.model import ContainerIdentity
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from tests.unit.test_enforce_enforcer import GIB, make, snap, who
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.webhook import WebhookRequest, WebhookServer
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
+from gpuwatch.enforce.webhook.receiver import WebhookRequest, WebhookServer
 
 POLICY = """
 rules:
@@ -131,7 +131,7 @@ def test_hostile_alert_names_reach_the_enforcer_log_and_audit_escaped_and_short(
         for record in caplog.records:
             text = record.getMessage()
             assert "\n" not in text and "\r" not in text and "\x1b" not in text and len(text) < 2000, text
-        webhook_lines = [r for r in caplog.records if r.name == "gpuwatch.enforce.webhook"]
+        webhook_lines = [r for r in caplog.records if r.name == "gpuwatch.enforce.webhook.receiver"]
         assert len(webhook_lines) == 2  # the 401 and one summary line for the two alerts
         (audited,) = read_audit(tmp_path / "audit.jsonl")
         rule = str(audited["rule"])

@@ -11,11 +11,11 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuwatch import snapshot_doc
+from gpuwatch.core import snapshot_doc
+from gpuwatch.core.model import DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.exporter.server import registry_for, serve
-from gpuwatch.model import DeviceInfo, ProbeCounters, Snapshot
-from gpuwatch.sampler import Sampler
+from gpuwatch.exporter.metrics_server import registry_for, serve
+from gpuwatch.node.sampler import Sampler
 from tests.conftest import need_binary
 from tests.unit.gpu_fakes import GIB, FakeProbes, FakeResolver, FakeWorld, container, device, factory_for
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, ProbeCounters, ProcessUsage, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.exporter.crosscheck import DIVERGENCE_METRIC
-from gpuwatch.model import ContainerIdentity, ContainerUsage, ProbeCounters, ProcessUsage, Snapshot
+from gpuwatch.exporter.crosscheck_metrics import DIVERGENCE_METRIC
 
 MIB = 2**20
 

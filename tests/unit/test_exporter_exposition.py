@@ -7,9 +7,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, Summary, generate_latest
 from prometheus_client.core import GaugeHistogramMetricFamily
 
+from gpuwatch.core.model import ContainerUsage, GroupUsage, ProcessUsage, Snapshot
 from gpuwatch.exporter.exposition import render_text
-from gpuwatch.exporter.server import registry_for
-from gpuwatch.model import ContainerUsage, GroupUsage, ProcessUsage, Snapshot
+from gpuwatch.exporter.metrics_server import registry_for
 from tests.unit.gpu_fakes import GIB, container, device
 
 

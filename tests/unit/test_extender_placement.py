@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.cluster.model import ClusterContainer, ClusterGpu, ClusterNode, ClusterState
-from gpuwatch.extender.placement import PlacementConfig
+from gpuwatch.cluster.values import ClusterContainer, ClusterGpu, ClusterNode, ClusterState
+from gpuwatch.extender.node_fit import PlacementConfig
 from gpuwatch.extender.promises import Promises
 from gpuwatch.extender.request import BadRequest, Sharing, parse_pod, parse_quantity
 from gpuwatch.extender.service import Extender, parse_args

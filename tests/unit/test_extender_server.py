@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.cluster.model import ClusterState
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.cluster.values import ClusterState
+from gpuwatch.core.errors import GpuwatchError
 from gpuwatch.extender.promises import Promises
 from gpuwatch.extender.server import ExtenderApp, ExtenderMetrics, ExtenderServer
 from gpuwatch.extender.service import Extender

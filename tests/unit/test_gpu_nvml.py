@@ -17,8 +17,8 @@ import textwrap
 import pynvml
 import pytest
 
+from gpuwatch.core.model import GpuTopology, TopologyLevel
 from gpuwatch.gpu.backend import GpuBackend
-from gpuwatch.model import GpuTopology, TopologyLevel
 from tests.unit.gpu_fakes import FakeNvml
 
 
@@ -33,7 +33,7 @@ def _run(code: str, env_extra: dict[str, str] | None = None) -> subprocess.Compl
 
 def test_missing_library_path_is_a_typed_error_with_a_fix() -> None:
     result = _run("""
-        from gpuwatch.errors import NvmlUnavailable
+        from gpuwatch.core.errors import NvmlUnavailable
         from gpuwatch.gpu.nvml import NvmlBackend
         try:
             NvmlBackend(library_path="/nonexistent/libnvidia-ml.so.1")
@@ -49,7 +49,7 @@ def test_env_library_that_is_not_a_library_is_a_typed_error(tmp_path) -> None:  
     junk = tmp_path / "libnvidia-ml.so.1"
     junk.write_text("not an ELF file")
     result = _run("""
-        from gpuwatch.errors import NvmlUnavailable
+        from gpuwatch.core.errors import NvmlUnavailable
         from gpuwatch.gpu.nvml import NvmlBackend
         try:
             NvmlBackend()
@@ -64,7 +64,7 @@ def test_no_driver_on_this_host_gives_one_clear_message() -> None:
     if "present" in probe.stdout:
         return  # a host with a real driver: this case cannot happen here (tests/gpu covers it)
     result = _run("""
-        from gpuwatch.errors import NvmlUnavailable
+        from gpuwatch.core.errors import NvmlUnavailable
         from gpuwatch.gpu.nvml import NvmlBackend
         try:
             NvmlBackend()

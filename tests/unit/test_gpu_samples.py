@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatch.attribution import AttributionState, attribute
+from gpuwatch.core.model import ContainerIdentity, DeviceInfo, GpuProcess, GpuSweep, ProcessIdentity
 from gpuwatch.gpu.samples import DEFAULT_SAMPLE_PERIOD_US, SampleTimeline, integrate
-from gpuwatch.model import ContainerIdentity, DeviceInfo, GpuProcess, GpuSweep, ProcessIdentity
+from gpuwatch.node.attribution import AttributionState, attribute
 
 P = 166_667  # us: a data-center GPU's sample period
 T0 = 5_000_000_000

@@ -9,11 +9,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gpuwatch.agent_idle import idle_until_devices, nvidia_devices
-from gpuwatch.exporter.health import LoopHealth
-from gpuwatch.exporter.server import registry_for, serve
-from gpuwatch.model import GpuSweep
-from gpuwatch.sampler import Sampler
+from gpuwatch.agent.idle import idle_until_devices, nvidia_devices
+from gpuwatch.core.model import GpuSweep
+from gpuwatch.exporter.liveness import LoopHealth
+from gpuwatch.exporter.metrics_server import registry_for, serve
+from gpuwatch.node.sampler import Sampler
 from tests.unit.gpu_fakes import FakeBackend, FakeResolver, FakeWorld
 
 

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.cli.main import cli
-from gpuwatch.errors import ProbesUnavailable
-from gpuwatch.hostcheck import (
+from gpuwatch.cli.hostcheck import (
     HostRoots,
     Status,
     cgroup_mode,
@@ -22,6 +20,8 @@ from gpuwatch.hostcheck import (
     kernel_headers,
     kernel_headers_dir,
 )
+from gpuwatch.cli.main import cli
+from gpuwatch.core.errors import ProbesUnavailable
 from gpuwatch.probes.bcc_loader import find_kernel_headers
 
 HYBRID_MOUNTINFO = """\

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from gpuwatch.cli.main import cli
 from gpuwatch.cluster.prometheus import PrometheusReader, PrometheusResponseError, PrometheusTimeout
 from gpuwatch.cluster.source import PrometheusCluster
-from gpuwatch.errors import GpuwatchError
-from gpuwatch.httpclient import BoundedHttpClient, ByteBudget, HttpBadAnswer, HttpTimeout, HttpTooLarge
+from gpuwatch.core.errors import GpuwatchError
+from gpuwatch.core.httpclient import BoundedHttpClient, ByteBudget, HttpBadAnswer, HttpTimeout, HttpTooLarge
 from gpuwatch.tui.sources import AgentSource
 from tests.hostile_server import HostileServer
 

@@ -1,5 +1,5 @@
 """Issue 13, HTTP: the metrics port and the webhook on a server that bounds itself
-(gpuwatch.httpserve): idle connections cost no thread, half-sent requests and unread answers
+(gpuwatch.core.httpserve): idle connections cost no thread, half-sent requests and unread answers
 are cut at their deadlines, the connection cap never locks a scraper out, and a fuzz run
 of both endpoints takes no action, crashes nothing and keeps threads and memory bounded.
 
@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.enforce.webhook import MAX_BODY_BYTES, WebhookRequest, WebhookServer
-from gpuwatch.exporter.server import METRICS_LIMITS, registry_for, serve
-from gpuwatch.httpserve import BoundedServer, ServerLimits, _OncePerInterval
-from gpuwatch.model import Snapshot
+from gpuwatch.core.httpserve import BoundedServer, ServerLimits, _OncePerInterval
+from gpuwatch.core.model import Snapshot
+from gpuwatch.enforce.webhook.receiver import MAX_BODY_BYTES, WebhookRequest, WebhookServer
+from gpuwatch.exporter.metrics_server import METRICS_LIMITS, registry_for, serve
 
 TOKEN = "fuzz-token-0123456789abcdef"
 SNAP = Snapshot(timestamp_s=1.0, node="n", devices=(), containers=())

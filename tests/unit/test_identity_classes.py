@@ -15,7 +15,7 @@ import pytest
 
 from gpuwatch.containers.pidcgroup import identity_of_cgroup_file
 from gpuwatch.containers.procfs import parse_uid
-from gpuwatch.model import ContainerIdentity
+from gpuwatch.core.model import ContainerIdentity
 
 CID = "7c1e0d2f4a5b6c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f"
 OUTER = "e2d3c4b5a6978877665544332211ffeeddccbbaa99887766554433221100ffee"
@@ -221,8 +221,8 @@ def test_policies_match_a_slurm_job_or_user() -> None:
 
 
 def test_top_shows_the_job_and_step() -> None:
-    from gpuwatch.model import ContainerUsage
-    from gpuwatch.tui.state import container_labels
+    from gpuwatch.core.model import ContainerUsage
+    from gpuwatch.tui.view_state import container_labels
 
     step = _of(v2("/system.slice/slurmstepd.scope/job_42/step_batch/user/task_0"))
     usage = ContainerUsage(identity=step, gpu_index=0, gpu_uuid="GPU-0", memory_bytes=1, sm_utilization_ratio=0.0,

@@ -21,7 +21,7 @@ BAD_RULE = "  - {name: r%d, match: {namespace: ns%d}, limits: {gpu_memory: lots%
 
 MEASURE = """
 import sys
-from gpuwatch.errors import PolicyError
+from gpuwatch.core.errors import PolicyError
 from gpuwatch.policy.loader import load_policy
 def rss(key):  # VmHWM: the peak of this program (ru_maxrss would carry pytest's over the exec)
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) // 1024

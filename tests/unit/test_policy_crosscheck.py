@@ -1,4 +1,4 @@
-"""The probe vs NVML cross-check (policy/crosscheck.py): what is compared per container, the
+"""The probe vs NVML cross-check (policy/probe_trust.py): what is compared per container, the
 allowance max(64 MiB, 10% of NVML), hysteresis (3 diverging intervals suspend, 3 agreeing
 resume), containers appearing and disappearing, and no judgement without an NVML number."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatch.model import ContainerIdentity, ContainerUsage, ProbeCounters, ProcessUsage, Snapshot
-from gpuwatch.policy.crosscheck import (
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, ProbeCounters, ProcessUsage, Snapshot
+from gpuwatch.policy.probe_trust import (
     ProbeNvmlComparison,
     ProbeNvmlCrossCheck,
     compare_probe_nvml,

@@ -9,10 +9,10 @@ import dataclasses
 import itertools
 import math
 
-from gpuwatch.model import ContainerIdentity, ContainerProgress, Snapshot
+from gpuwatch.core.model import ContainerIdentity, ContainerProgress, Snapshot
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.elastic import divide
-from gpuwatch.policy.model import ElasticSettings
+from gpuwatch.policy.rules import ElasticSettings
 from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
 
 POLICY = """

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.policy.evaluate import EvaluationResult, EvaluatorState, SafetyContext, Verb, evaluate
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.policy.loader import check_policy_text
-from gpuwatch.policy.model import Policy
+from gpuwatch.policy.rules import Policy
 
 GIB = 2**30
 

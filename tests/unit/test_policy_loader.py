@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.errors import PolicyError
+from gpuwatch.core.errors import PolicyError
+from gpuwatch.core.units import parse_duration_s, parse_ratio, parse_size
 from gpuwatch.policy.loader import check_policy_text, load_policy
-from gpuwatch.policy.model import ActionKind, LimitKind
-from gpuwatch.policy.units import parse_duration_s, parse_ratio, parse_size
+from gpuwatch.policy.rules import ActionKind, LimitKind
 
 CASES = Path(__file__).parent / "policy_cases"
 REPO = Path(__file__).resolve().parents[2]

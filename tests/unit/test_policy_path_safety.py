@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from gpuwatch.cli.main import cli
-from gpuwatch.errors import PolicyError
+from gpuwatch.core.errors import PolicyError
+from gpuwatch.core.safeio import RefusedFile, read_file_beneath
 from gpuwatch.policy.loader import load_policy, read_policy_text
-from gpuwatch.safeio import RefusedFile, read_file_beneath
 
 GOOD = """
 rules:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.core.errors import PolicyError
+from gpuwatch.core.model import Snapshot
+from gpuwatch.core.safeio import RefusedFile, read_regular_file
 from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.enforce.cgroupfs import CgroupTree
+from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.policy_reload import PolicyLoad
-from gpuwatch.errors import PolicyError
-from gpuwatch.model import Snapshot
 from gpuwatch.policy.loader import MAX_POLICY_BYTES, load_policy
-from gpuwatch.safeio import RefusedFile, read_regular_file
 
 GOOD = """
 rules:

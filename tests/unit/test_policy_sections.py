@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from gpuwatch.policy.loader import check_policy_text
-from gpuwatch.policy.model import ElasticSettings, FairShareSplit, ReschedulingSettings
+from gpuwatch.policy.rules import ElasticSettings, FairShareSplit, ReschedulingSettings
 
 RULES = "rules:\n  - name: all\n    match: {default: true}\n"
 

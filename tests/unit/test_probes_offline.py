@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatch.probes import layout
 from gpuwatch.probes.elf import ElfError, symbol_offsets
-from gpuwatch.probes.events import ProbeEvent, ioctl_op_name
+from gpuwatch.probes.kernel_events import ProbeEvent, ioctl_op_name
 from gpuwatch.probes.libcuda import discover
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_event_record_decodes() -> None:
 
 
 def _start_in_subprocess(extra_args: list[str], as_nobody: bool) -> subprocess.CompletedProcess[str]:
-    code = ("from gpuwatch.errors import ProbesUnavailable\n"
+    code = ("from gpuwatch.core.errors import ProbesUnavailable\n"
             "from gpuwatch.probes.manager import ProbeManager\n"
             "try:\n    ProbeManager().start()\nexcept ProbesUnavailable as e:\n    print('UNAVAILABLE', e)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from gpuwatch.model import ContainerIdentity
-from gpuwatch.probes.events import ProbeEvent
+from gpuwatch.core.model import ContainerIdentity
+from gpuwatch.probes.kernel_events import ProbeEvent
 from gpuwatch.probes.trace_view import TraceFilter, format_json, format_line, human_bytes
 
 POD = ContainerIdentity(runtime="containerd", cgroup_path="/kubepods/pod1/abc", container_id="abcdef123456",

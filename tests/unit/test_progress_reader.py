@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.core.annotations import label_annotations, parse_progress_goal, parse_progress_path
 from gpuwatch.signals.progress import (
     MAX_PROGRESS_BYTES,
     ProgressReadError,
-    parse_progress_goal,
-    parse_progress_path,
     parse_progress_value,
-    progress_annotations,
     read_progress_file,
 )
 from tests.unit.proc_status import write_status
@@ -173,11 +171,11 @@ def test_the_annotation_vocabulary() -> None:
         assert parse_progress_path(bad) is None, bad
     assert parse_progress_goal(" Maximize ") == "maximize"
     assert parse_progress_goal("lower") is None
-    pairs, problems = progress_annotations({"gpuwatch.io/progress-file": "/out//loss",
+    pairs, problems = label_annotations({"gpuwatch.io/progress-file": "/out//loss",
                                             "gpuwatch.io/progress-goal": "MINIMIZE", "other": "x"})
     assert pairs == (("gpuwatch.io/progress-file", "/out/loss"), ("gpuwatch.io/progress-goal", "minimize"))
     assert problems == ()
-    pairs, problems = progress_annotations({"gpuwatch.io/progress-file": "../loss",
+    pairs, problems = label_annotations({"gpuwatch.io/progress-file": "../loss",
                                             "gpuwatch.io/progress-goal": "up"})
     assert pairs == () and len(problems) == 2
-    assert progress_annotations({}) == ((), ())
+    assert label_annotations({}) == ((), ())

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuwatch import snapshot_doc
 from gpuwatch.containers.metadata import metadata_from_annotations, parse_docker_config_v2, parse_oci_config
+from gpuwatch.core import snapshot_doc
+from gpuwatch.core.model import ContainerIdentity, ContainerProgress, ContainerUsage, ProcessUsage, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.model import ContainerIdentity, ContainerProgress, ContainerUsage, ProcessUsage, Snapshot
-from gpuwatch.sampler import Sampler
+from gpuwatch.node.sampler import Sampler
 from gpuwatch.signals.progress import ProgressTracker, progress_request_of
 from tests.unit.gpu_fakes import GIB, FakeResolver, FakeWorld, container, factory_for
 from tests.unit.proc_status import write_status

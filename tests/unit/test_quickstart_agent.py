@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpuwatch.cli.quickstart_agent import probes_note, probes_summary
-from gpuwatch.model import Snapshot
+from gpuwatch.core.model import Snapshot
 
 AGENT_WARNING = ("BPF unavailable: per-container ioctl/allocation counts and in-kernel enforcement are off; "
                  "NVML attribution continues (BPF probes off: BCC is not importable (No module named 'bcc') "

@@ -12,9 +12,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from gpuwatch.cluster.state import build_state, placement_queries
+from gpuwatch.cluster.queries import build_state, placement_queries
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.policy.sharing import gpu_tenants, gpu_users, outside_pod_processes
 from tests.unit.test_extender_placement import NOW, extender, pod, run_filter
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gpuwatch.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessIdentity, ProcessUsage
-from gpuwatch.signals.collector import SignalCollector
+from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessIdentity, ProcessUsage
 from gpuwatch.signals.kmsg import KmsgReader
+from gpuwatch.signals.signal_collector import SignalCollector
 
 GIB = 1024**3
 POD_A = ContainerIdentity(runtime="containerd", cgroup_path="/kubepods/a", container_id="a" * 64,

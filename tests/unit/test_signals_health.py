@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpuwatch.model import DeviceInfo
+from gpuwatch.core.model import DeviceInfo
 from gpuwatch.signals.health import DEFAULT_IGNORED_XIDS, HealthTracker, apply_health
 
 GIB = 1024**3

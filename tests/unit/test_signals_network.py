@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.model import ContainerIdentity, ContainerNetwork
+from gpuwatch.core.model import ContainerIdentity, ContainerNetwork
 from gpuwatch.signals.network import (
     VANISHED,
     LinkInfo,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.model import (
+from gpuwatch.core.model import (
     DeviceInfo,
     GpuHealth,
     GpuLink,

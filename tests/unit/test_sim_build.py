@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.sim.build import SimLibraries, build_sim_libraries, sources_digest
 
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuwatch.cli.sim import sim
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.sim.workload import ProgressModel, StubCuda, Workload, WorkloadSpec
 
 

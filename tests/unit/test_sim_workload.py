@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuwatch.cli.sim import _parse_size, _signal_number
-from gpuwatch.errors import SimError
+from gpuwatch.core.errors import SimError
 from gpuwatch.sim.workload import WorkloadSpec
 
 

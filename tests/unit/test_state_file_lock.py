@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.nodelock import NodeLock, StateFileInUse, StateFileLock
+from gpuwatch.agent.nodelock import NodeLock, StateFileInUse, StateFileLock
 
 
 def test_second_holder_of_one_state_file_is_refused_naming_it(tmp_path: Path) -> None:

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch import snapshot_doc as jsondoc
 from gpuwatch.cli import top as top_module
 from gpuwatch.cli.main import cli
-from gpuwatch.errors import NvmlUnavailable
-from gpuwatch.model import Snapshot
+from gpuwatch.core import snapshot_doc as jsondoc
+from gpuwatch.core.errors import NvmlUnavailable
+from gpuwatch.core.model import Snapshot
 from tests.unit.test_tui_samples import sample_snapshot
 
 
@@ -124,9 +124,9 @@ def install_fake_sampler(monkeypatch: pytest.MonkeyPatch, sampler: FakeSampler |
             raise sampler
         return sampler
 
-    module = types.ModuleType("gpuwatch.sampler")
+    module = types.ModuleType("gpuwatch.node.sampler")
     module.build_sampler = build_sampler  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gpuwatch.sampler", module)
+    monkeypatch.setitem(sys.modules, "gpuwatch.node.sampler", module)
     sleeps: list[float] = []
     monkeypatch.setattr(top_module.time, "sleep", sleeps.append)
     calls["sleeps"] = sleeps
@@ -186,7 +186,7 @@ def test_nvml_down_snapshot_exits_nonzero_with_the_reason(monkeypatch: pytest.Mo
 
 
 def test_missing_sampler_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "gpuwatch.sampler", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "gpuwatch.node.sampler", None)  # import raises ImportError
     result = run("--once")
     assert result.exit_code == 1 and "sampler cannot be loaded" in result.stderr
 
@@ -198,7 +198,7 @@ def test_sampler_warnings_do_not_reach_the_terminal() -> None:
         "import logging, sys\n"
         "from gpuwatch.cli.top import _quiet_library_logs\n"
         "_quiet_library_logs()\n"
-        "logging.getLogger('gpuwatch.sampler').warning('GPU backend down')\n"
+        "logging.getLogger('gpuwatch.node.sampler').warning('GPU backend down')\n"
         "logging.getLogger('other').warning('still shown')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False)
@@ -209,7 +209,7 @@ def test_sampler_warnings_do_not_reach_the_terminal() -> None:
 
 def test_agent_source_shows_what_a_running_exporter_serves() -> None:
     """`top --agent URL` reads the real exporter's /snapshot.json (same format as --json)."""
-    from gpuwatch.exporter.server import registry_for, serve
+    from gpuwatch.exporter.metrics_server import registry_for, serve
 
     snap = sample_snapshot()
     server = serve(registry_for(lambda: snap), "127.0.0.1", 0, get_snapshot=lambda: snap)

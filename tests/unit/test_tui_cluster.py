@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from gpuwatch.cli.main import cli
 from gpuwatch.cluster.prometheus import Sample
-from gpuwatch.cluster.state import CLUSTER_QUERIES, build_state, cluster_queries
-from gpuwatch.tui.cluster import (
+from gpuwatch.cluster.queries import CLUSTER_QUERIES, build_state, cluster_queries
+from gpuwatch.tui.cluster_view import (
     ClusterSnapshot,
     cluster_document,
     cluster_snapshot,
@@ -22,7 +22,7 @@ from gpuwatch.tui.cluster import (
     node_notes,
 )
 from gpuwatch.tui.render import plain_table, screen_lines
-from gpuwatch.tui.state import ContainerRow, GpuRow, SortKey, ViewState, apply_key, build_rows
+from gpuwatch.tui.view_state import ContainerRow, GpuRow, SortKey, ViewState, apply_key, build_rows
 from tests.unit.test_cluster_prometheus import FakePrometheus, fake_prometheus, vector
 from tests.unit.test_cluster_state import NOW, full_results
 

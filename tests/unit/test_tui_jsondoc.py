@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from gpuwatch.model import (
+from gpuwatch.core.model import (
     HOST_IDENTITY,
     ContainerIdentity,
     DeviceFields,
     ProbeCounters,
     Snapshot,
 )
-from gpuwatch.snapshot_doc import (
+from gpuwatch.core.snapshot_doc import (
     FORMAT,
     SnapshotDocError,
     dumps,
@@ -190,7 +190,7 @@ def test_document_time_is_wall_clock_even_for_monotonic_snapshots() -> None:
 
 
 def test_round_trip_with_node_signals_and_health_inputs() -> None:
-    from gpuwatch.model import (
+    from gpuwatch.core.model import (
         ContainerNetwork,
         ContainerXid,
         GpuHealth,

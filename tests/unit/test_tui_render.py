@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpuwatch.model import Snapshot
+from gpuwatch.core.model import Snapshot
 from gpuwatch.tui import fmt
 from gpuwatch.tui.render import (
     NVML_FIX,
@@ -17,7 +17,7 @@ from gpuwatch.tui.render import (
     screen_lines,
     scroll_top,
 )
-from gpuwatch.tui.state import SortKey, ViewState, build_rows
+from gpuwatch.tui.view_state import SortKey, ViewState, build_rows
 from tests.unit.test_tui_samples import GIB, T0, TRAINER, device, ident, sample_snapshot, usage
 
 # --------------------------------------------------------------------------- fmt

@@ -3,7 +3,7 @@ plus checks that the samples say what the other tests assume they say."""
 
 from __future__ import annotations
 
-from gpuwatch.model import (
+from gpuwatch.core.model import (
     HOST_IDENTITY,
     ContainerIdentity,
     ContainerUsage,

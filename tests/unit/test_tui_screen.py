@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpuwatch.tui.screen import _RowCache
-from gpuwatch.tui.state import ContainerRow, SortKey, ViewState, build_rows
+from gpuwatch.tui.view_state import ContainerRow, SortKey, ViewState, build_rows
 from tests.unit.test_tui_samples import sample_snapshot
 
 

@@ -4,8 +4,8 @@ snapshot document like `top --agent` reads it; without such data the table is un
 
 from __future__ import annotations
 
-from gpuwatch import snapshot_doc
-from gpuwatch.model import (
+from gpuwatch.core import snapshot_doc
+from gpuwatch.core.model import (
     ContainerEnforcement,
     ContainerIdentity,
     ContainerProgress,
@@ -14,7 +14,7 @@ from gpuwatch.model import (
     Snapshot,
 )
 from gpuwatch.tui.render import column_widths, header_text, plain_table, screen_lines
-from gpuwatch.tui.state import ContainerRow, ViewState, build_rows
+from gpuwatch.tui.view_state import ContainerRow, ViewState, build_rows
 
 GIB = 2**30
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpuwatch.model import ContainerIdentity, Snapshot
-from gpuwatch.tui.state import (
+from gpuwatch.core.model import ContainerIdentity, Snapshot
+from gpuwatch.tui.view_state import (
     ContainerRow,
     GpuRow,
     MessageRow,

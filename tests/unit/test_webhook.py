@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.webhook import (
+from gpuwatch.core.errors import UnsafeConfiguration
+from gpuwatch.enforce.webhook.receiver import (
     MAX_BODY_BYTES,
     WebhookRequest,
     WebhookServer,
@@ -23,7 +24,6 @@ from gpuwatch.enforce.webhook import (
     loggable,
     parse_alertmanager_payload,
 )
-from gpuwatch.errors import UnsafeConfiguration
 
 TOKEN = "s3cr3t-token-0123456789"
 
@@ -228,10 +228,10 @@ def test_one_summary_line_per_request_values_truncated_control_characters_escape
     alerts = [_alert(namespace="a", pod="p", alertname=forged) for _ in range(50)]
     alerts += [_alert(namespace="a", pod="p", alertname="x" * 450_000)]
     alerts += [_alert(namespace="a", alertname=forged + "no-target")]
-    with caplog.at_level(logging.DEBUG, logger="gpuwatch.enforce.webhook"):
+    with caplog.at_level(logging.DEBUG, logger="gpuwatch.enforce.webhook.receiver"):
         code, doc = _post(srv.port, json.dumps({"alerts": alerts}).encode(), TOKEN)
     assert code == 200 and len(seen) == 51
-    lines = [r.getMessage() for r in caplog.records if r.name == "gpuwatch.enforce.webhook"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpuwatch.enforce.webhook.receiver"]
     assert len(lines) == 1, lines
     line = lines[0]
     assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line
@@ -244,10 +244,10 @@ def test_one_summary_line_per_request_values_truncated_control_characters_escape
 def test_refused_requests_are_logged_at_most_once_per_interval(
         server: tuple[WebhookServer, list[WebhookRequest]], caplog: pytest.LogCaptureFixture) -> None:
     srv, _ = server
-    with caplog.at_level(logging.DEBUG, logger="gpuwatch.enforce.webhook"):
+    with caplog.at_level(logging.DEBUG, logger="gpuwatch.enforce.webhook.receiver"):
         for _ in range(30):
             assert _post(srv.port, b"{}", "wrong-token-wrong-token")[0] == 401
-    lines = [r.getMessage() for r in caplog.records if r.name == "gpuwatch.enforce.webhook"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpuwatch.enforce.webhook.receiver"]
     assert len(lines) == 1 and "unauthorized" in lines[0]
     assert srv.unauthorized_total == 30
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.model import (
+from gpuwatch.core.model import (
     ContainerIdentity,
     ContainerUsage,
     DeviceInfo,
@@ -21,8 +21,8 @@ from gpuwatch.model import (
     ProcessIdentity,
     ProcessUsage,
 )
-from gpuwatch.signals.collector import SignalCollector
 from gpuwatch.signals.kmsg import KmsgReader, misplaced, parse_xid_line
+from gpuwatch.signals.signal_collector import SignalCollector
 
 GIB = 1 << 30
 POD = ContainerIdentity(runtime="containerd", cgroup_path="/kubepods/a", container_id="a" * 64, pod_name="victim",

@@ -13,9 +13,9 @@ import signal
 import threading
 import time
 
+from gpuwatch.core.errors import EnforcementError
 from gpuwatch.enforce.actions.base import ActionResult, Completion, Status
 from gpuwatch.enforce.control import FreezeControl
-from gpuwatch.errors import EnforcementError
 from gpuwatch.policy.decisions import Decision, Verb
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+from gpuwatch.core.errors import EnforcementError
 from gpuwatch.enforce.actions.base import ActionResult, Status
 from gpuwatch.enforce.control import FreezeControl
-from gpuwatch.errors import EnforcementError
 from gpuwatch.policy.decisions import Decision, Verb
 
 
