@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 import signal as signal_mod
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
+
+_Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 _NODE_OPTION = click.option(
     "--name",
@@ -19,6 +23,16 @@ _NODE_OPTION = click.option(
     show_default=True,
     help="Node name; several simulated nodes can be up at once.",
 )
+
+
+def _shown(flag: str, default: object, help_text: str, param_type: click.ParamType | None = None) -> _Decorator:
+    """An option whose default `--help` shows (most of `sim up` and `sim run`)."""
+    return click.option(flag, default=default, show_default=True, type=param_type, help=help_text)
+
+
+def _choice(flag: str, choices: list[str], help_text: str) -> _Decorator:
+    """A choice option whose default, shown in `--help`, is the first choice."""
+    return click.option(flag, type=click.Choice(choices), default=choices[0], show_default=True, help=help_text)
 
 
 def _parse_size(text: str) -> int:
@@ -57,47 +71,21 @@ def sim() -> None:
 
 @sim.command("up")
 @_NODE_OPTION
-@click.option("--devices", default=2, show_default=True, type=click.IntRange(1, 8), help="Number of GPUs.")
-@click.option(
-    "--model",
-    default="H100 80GB HBM3",
-    show_default=True,
-    help='Model name (devices are named "gpuwatch-sim <model>").',
-)
-@click.option("--memory", "memory", default="80GiB", show_default=True, help="Memory per device.")
-@click.option(
-    "--rm-alloc-params",
-    type=click.Choice(["nvos64", "nvos21"]),
-    default="nvos64",
-    show_default=True,
-    help="Parameter layout of the RM_ALLOC ioctls the stub issues.",
-)
+@_shown("--devices", 2, "Number of GPUs.", click.IntRange(1, 8))
+@_shown("--model", "H100 80GB HBM3", 'Model name (devices are named "gpuwatch-sim <model>").')
+@_shown("--memory", "80GiB", "Memory per device.")
+@_choice("--rm-alloc-params", ["nvos64", "nvos21"], "Parameter layout of the RM_ALLOC ioctls the stub issues.")
 @click.option(
     "--rm-device-handles",
     is_flag=True,
     help="Kept for compatibility: contexts always allocate the client, device, subdevice and VA space now.",
 )
-@click.option(
-    "--topology",
-    type=click.Choice(["pcie", "nvlink-pairs", "nvswitch"]),
-    default="pcie",
-    show_default=True,
-    help="GPU interconnect: PCIe only, NVLink bridges between GPU pairs, or NVSwitches.",
-)
-@click.option(
-    "--mps",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 8),
-    help="Contexts whose kernels run at once on one GPU: 1 = time-sliced, N > 1 = MPS-like.",
-)
-@click.option(
-    "--timeslice-ms",
-    default=2.0,
-    show_default=True,
-    type=click.FloatRange(0.1, 1000),
-    help="Run time after which a kernel yields the GPU to a waiting context.",
-)
+@_choice("--topology", ["pcie", "nvlink-pairs", "nvswitch"],
+         "GPU interconnect: PCIe only, NVLink bridges between GPU pairs, or NVSwitches.")
+@_shown("--mps", 1, "Contexts whose kernels run at once on one GPU: 1 = time-sliced, N > 1 = MPS-like.",
+        click.IntRange(1, 8))
+@_shown("--timeslice-ms", 2.0, "Run time after which a kernel yields the GPU to a waiting context.",
+        click.FloatRange(0.1, 1000))
 @click.option(
     "--sample-period-ms",
     default=1000.0 / 6,
@@ -105,13 +93,8 @@ def sim() -> None:
     type=click.FloatRange(10, 1000),
     help="NVML process-utilisation sample period (NVML documents 1/6 s to 1 s); the ring holds 72.",
 )
-@click.option(
-    "--nvml-cost",
-    type=click.Choice(["off", "h100-580"]),
-    default="off",
-    show_default=True,
-    help="CPU each fake NVML call burns in the caller: off, or what the call took on an H100 with driver 580.",
-)
+@_choice("--nvml-cost", ["off", "h100-580"],
+         "CPU each fake NVML call burns in the caller: off, or what the call took on an H100 with driver 580.")
 def up_cmd(
     name: str,
     devices: int,
@@ -206,7 +189,7 @@ def status_cmd(name: str) -> None:
 @sim.command("replay-nvml")
 @_NODE_OPTION
 @click.argument("recording", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--delay-s", default=0.0, show_default=True, help="Start the replay this many seconds from now.")
+@_shown("--delay-s", 0.0, "Start the replay this many seconds from now.")
 @click.option("--stop", is_flag=True, help="Stop a replay: the node's own processes answer again.")
 def replay_nvml_cmd(name: str, recording: Path | None, delay_s: float, stop: bool) -> None:
     """Answer NVML's per-process calls from a recording (`gpuwatch sim record-nvml`).
@@ -233,8 +216,8 @@ def replay_nvml_cmd(name: str, recording: Path | None, delay_s: float, stop: boo
 @sim.command("record-nvml", context_settings={"ignore_unknown_options": True})
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="JSON-lines file to write.")
-@click.option("--interval-s", default=0.5, show_default=True, type=click.FloatRange(0.05, 6.0),
-              help="Seconds between reads (the driver's ring holds 12 s at 1/6 s).")
+@_shown("--interval-s", 0.5, "Seconds between reads (the driver's ring holds 12 s at 1/6 s).",
+        click.FloatRange(0.05, 6.0))
 @click.option("--nvml-library", default=None, help="libnvidia-ml.so.1 to load (default: the system's).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record_nvml_cmd(out: Path, interval_s: float, nvml_library: str | None, command: tuple[str, ...]) -> None:
@@ -270,7 +253,7 @@ def env_cmd(name: str) -> None:
     default=None,
     help="Process the kernel-log Xid record names (default: pid='<unknown>').",
 )
-@click.option("--count", default=1, show_default=True, help="ECC error count (kind ecc).")
+@_shown("--count", 1, "ECC error count (kind ecc).")
 @click.option("--uncorrected", is_flag=True, help="ECC errors are uncorrectable (double bit).")
 def fault_cmd(name: str, kind: str, gpu: int, code: int, pid: int | None, count: int, uncorrected: bool) -> None:
     """Inject a fault: xid (NVML XID event + kernel-log record), lost (GPU falls off the
@@ -297,28 +280,17 @@ def _signal_number(text: str) -> int:
 
 @sim.command("run")
 @_NODE_OPTION
-@click.option("--gpu", default=0, show_default=True, help="CUDA device ordinal (after CUDA_VISIBLE_DEVICES).")
-@click.option("--mib-per-step", default=1024.0, show_default=True, help="MiB allocated per step.")
-@click.option("--steps", default=1, show_default=True, help="Allocation steps (0: unlimited for leak/free).")
-@click.option("--interval-s", default=1.0, show_default=True, help="Seconds between steps.")
+@_shown("--gpu", 0, "CUDA device ordinal (after CUDA_VISIBLE_DEVICES).")
+@_shown("--mib-per-step", 1024.0, "MiB allocated per step.")
+@_shown("--steps", 1, "Allocation steps (0: unlimited for leak/free).")
+@_shown("--interval-s", 1.0, "Seconds between steps.")
 @click.option("--hold", "pattern", flag_value="hold", default=True, help="Allocate the steps, then hold (default).")
 @click.option("--leak", "pattern", flag_value="leak", help="Keep allocating every interval (until OOM or steps).")
 @click.option("--free", "pattern", flag_value="free", help="Allocate, hold one interval, free; repeat.")
-@click.option(
-    "--duty",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(0, 1),
-    help="Fraction of time running kernels.",
-)
-@click.option("--kernel-ms", default=10.0, show_default=True, help="Length of one kernel.")
-@click.option("--lifetime-s", default=0.0, show_default=True, help="Exit after this long (0: run until killed).")
-@click.option(
-    "--checkpoint-signal",
-    default="SIGUSR1",
-    show_default=True,
-    help="Signal that asks the workload to checkpoint.",
-)
+@_shown("--duty", 0.0, "Fraction of time running kernels.", click.FloatRange(0, 1))
+@_shown("--kernel-ms", 10.0, "Length of one kernel.")
+@_shown("--lifetime-s", 0.0, "Exit after this long (0: run until killed).")
+@_shown("--checkpoint-signal", "SIGUSR1", "Signal that asks the workload to checkpoint.")
 @click.option(
     "--checkpoint-marker",
     type=click.Path(path_type=Path),
@@ -326,79 +298,40 @@ def _signal_number(text: str) -> int:
     help="File written on checkpoint (content: the progress count).",
 )
 @click.option("--keep-running-after-checkpoint", is_flag=True, help="Do not exit after writing the marker.")
-@click.option(
-    "--work-s",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="GPU-seconds of kernel work the job has; it exits 0 when they are done (0: no end).",
-)
+@_shown("--work-s", 0.0, "GPU-seconds of kernel work the job has; it exits 0 when they are done (0: no end).",
+        click.FloatRange(min=0))
 @click.option(
     "--progress-curve",
     type=click.Choice(["exp", "linear", "log"]),
     default=None,
     help="Evaluation function of the work done w: exp V0*e^(-Kw), linear V0-Kw, log V0-K*ln(1+w).",
 )
-@click.option("--progress-rate", "progress_rate", default=1.0, show_default=True, help="K of the curve.")
-@click.option("--progress-start", "progress_start", default=1.0, show_default=True, help="V0 of the curve.")
-@click.option(
-    "--progress-goal",
-    type=click.Choice(["minimize", "maximize"]),
-    default="minimize",
-    show_default=True,
-    help="minimize writes the loss; maximize writes V0 - loss (a score rising from 0).",
-)
+@_shown("--progress-rate", 1.0, "K of the curve.")
+@_shown("--progress-start", 1.0, "V0 of the curve.")
+@_choice("--progress-goal", ["minimize", "maximize"],
+         "minimize writes the loss; maximize writes V0 - loss (a score rising from 0).")
 @click.option(
     "--progress-file",
     type=click.Path(path_type=Path),
     default=None,
     help="File the evaluation value is rewritten to (atomically, one line), as the job sees it.",
 )
-@click.option(
-    "--progress-interval-s",
-    default=0.2,
-    show_default=True,
-    type=click.FloatRange(min=0.01),
-    help="How often at most the progress file is rewritten.",
-)
-@click.option(
-    "--alloc-path",
-    type=click.Choice(["rm-alloc", "vid-heap"]),
-    default="rm-alloc",
-    show_default=True,
-    help="Driver call that creates memory objects: RM_ALLOC (class 0x40) or VID_HEAP_CONTROL (ALLOC_SIZE).",
-)
-@click.option(
-    "--suballoc-mib",
-    default=2,
-    show_default=True,
-    type=click.IntRange(0, 1 << 20),
-    help="N: cuMemAllocs below N MiB carved from N-MiB chunks (2: real CUDA); 0: one driver allocation per cuMemAlloc.",
-)
-@click.option(
-    "--context-mib",
-    default=518,
-    show_default=True,
-    type=click.IntRange(0, 1 << 20),
-    help="Memory the context allocates for itself as class-0x40 objects (518: a real H100 context; 0: none).",
-)
-@click.option(
-    "--rm-params-size",
-    type=click.Choice(["zero", "class"]),
-    default="zero",
-    show_default=True,
-    help="RM_ALLOC paramsSize: zero (real libcuda: RM sizes the parameters by class) or the class's size.",
-)
+@_shown("--progress-interval-s", 0.2, "How often at most the progress file is rewritten.", click.FloatRange(min=0.01))
+@_choice("--alloc-path", ["rm-alloc", "vid-heap"],
+         "Driver call that creates memory objects: RM_ALLOC (class 0x40) or VID_HEAP_CONTROL (ALLOC_SIZE).")
+@_shown("--suballoc-mib", 2,
+        "N: cuMemAllocs below N MiB carved from N-MiB chunks (2: real CUDA); 0: one driver allocation per cuMemAlloc.",
+        click.IntRange(0, 1 << 20))
+@_shown("--context-mib", 518,
+        "Memory the context allocates for itself as class-0x40 objects (518: a real H100 context; 0: none).",
+        click.IntRange(0, 1 << 20))
+@_choice("--rm-params-size", ["zero", "class"],
+         "RM_ALLOC paramsSize: zero (real libcuda: RM sizes the parameters by class) or the class's size.")
 @click.option("--managed", is_flag=True, help="Allocate with cuMemAllocManaged (nvidia-uvm) instead of cuMemAlloc.")
-@click.option(
-    "--pause-every-s",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="GPU-seconds of work between GPU-idle pauses (a checkpoint save, an evaluation; 0: none).",
-)
-@click.option("--pause-s", default=0.0, show_default=True, type=click.FloatRange(min=0),
-              help="Wall seconds each pause lasts.")
+@_shown("--pause-every-s", 0.0,
+        "GPU-seconds of work between GPU-idle pauses (a checkpoint save, an evaluation; 0: none).",
+        click.FloatRange(min=0))
+@_shown("--pause-s", 0.0, "Wall seconds each pause lasts.", click.FloatRange(min=0))
 def run_cmd(
     name: str,
     gpu: int,
