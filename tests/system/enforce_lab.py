@@ -18,10 +18,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import read_audit
+from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.cgroup_ops import detect_roots, process_cpu_seconds
+from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import RunningContainer
 
 WORKER = r"""
@@ -197,6 +200,45 @@ def identity_of(container: RunningContainer) -> ContainerIdentity:
         pod_name=container.pod or "",
         pod_namespace=container.namespace,
         cgroup_id=v2_cgroup_id(container.cgroup_path),
+    )
+
+
+def ledger_snapshot(sim: simnode.SimNode, containers: list[RunningContainer],
+                    timestamp_s: float | None = None) -> Snapshot:
+    """The sim ledger as the sampler would see it on GPU 0: each container that still has
+    processes with the ledger's memory of its pids (taken at `timestamp_s`, default now)."""
+    state = simnode.status(sim)
+    device = state.devices[0]
+    rows = []
+    for c in containers:
+        pids = set(c.pids())
+        memory = sum(p.memory_bytes for p in state.processes if p.host_pid in pids)
+        if pids:
+            rows.append(ContainerUsage(identity_of(c), 0, "GPU-0", memory, 0.0, 0.0))
+    info = DeviceInfo(
+        0,
+        "GPU-0",
+        "sim",
+        None,
+        device.memory_total_bytes,
+        device.memory_used_bytes,
+        device.memory_total_bytes - device.memory_used_bytes,
+        simulated=True,
+    )
+    return Snapshot(timestamp_s=time.time() if timestamp_s is None else timestamp_s, node="sim", devices=(info,),
+                    containers=tuple(rows), simulated=True)
+
+
+def lab_enforcer(tmp_path: Path, policy: Path | None = None, **kwargs: Any) -> Enforcer:
+    """An Enforcer on `policy` (default tmp_path/policy.yaml), its audit log and frozen state in
+    `tmp_path`, no own cgroups (the test's cgroups are all fair game); `kwargs` add to or
+    replace those."""
+    kwargs.setdefault("own_cgroups", frozenset())
+    return Enforcer(
+        tmp_path / "policy.yaml" if policy is None else policy,
+        audit=AuditLog(tmp_path / "audit.jsonl"),
+        frozen_state_path=tmp_path / "frozen.json",
+        **kwargs,
     )
 
 

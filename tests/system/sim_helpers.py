@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import pytest
 from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, sim_env, up
 from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, driver_env
+from gpuwatch.sim.runc import ContainerSpec
 
 GIB = 1024**3
 MIB = 1024**2
@@ -79,6 +80,18 @@ def cgroup2_root() -> Path:
     return Path(unified)
 
 
+def remove_dirs(paths: Iterable[Path]) -> None:
+    """rmdir each directory, deepest first, each retried for up to 5 s (a cgroup is busy
+    until its last processes have exited)."""
+    for path in sorted(paths, key=lambda p: len(p.parts), reverse=True):
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 @contextmanager
 def scratch_cgroup(name: str) -> Iterator[Path]:
     """A v2 cgroup for one test, removed afterwards (retried while its last processes exit)."""
@@ -87,12 +100,57 @@ def scratch_cgroup(name: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_dirs([path])
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `timeout_s`; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def sim_run_argv(*args: str, name: str | None = None, **options: object) -> list[str]:
+    """`python -m gpuwatch sim run` (on the node called `name`, else the one GPUWATCH_SIM_STATE
+    names): each keyword is its option with "_" as "-" (True: a bare flag; False/None: left out;
+    anything else: the option's value, as str), then `args` as given."""
+    argv = [sys.executable, "-m", "gpuwatch", "sim", "run", *(("--name", name) if name is not None else ())]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return [*argv, *args]
+
+
+def sim_container(node: SimNode, name: str, argv: list[str], *, binds: Iterable[Path | str] = (),
+                  **spec: Any) -> ContainerSpec:
+    """A ContainerSpec that runs `argv` on `node`: the sim's environment, its state and root
+    bound read-write (plus `binds`), its libraries read-only; `spec` is the rest (namespace, pod...)."""
+    return ContainerSpec(name=name, argv=argv, env=sim_env(node),
+                         extra_binds=[str(node.state_path.parent), str(node.root), *map(str, binds)],
+                         ro_binds=[str(node.libraries.lib_dir)], **spec)
+
+
+def sim_agent_env(node: SimNode) -> dict[str, str]:
+    """The environment of a `gpuwatch agent` on `node`: it reaches the fake NVML by
+    --nvml-library alone (no LD_LIBRARY_PATH), the ledger by GPUWATCH_SIM_STATE."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(node.state_path)}
+    env.pop("LD_LIBRARY_PATH", None)
+    return env
+
+
+def sim_agent_argv(node: SimNode, tmp_path: Path, port: int, node_name: str, interval_s: float,
+                   *extra: str) -> list[str]:
+    """`python -m gpuwatch agent` on `node` without probes, its state, audit log and lock in `tmp_path`."""
+    return [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={node_name}",
+            f"--interval={interval_s}", f"--nvml-library={node.libraries.nvml_path}", "--no-probes", *extra,
+            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}",
+            f"--lock-file={tmp_path / 'agent.lock'}"]
 
 
 class Workers:

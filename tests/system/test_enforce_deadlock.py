@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.core.model import ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.enforce_lab import audit_decisions, identity_of, wait_ready
-from tests.system.sim_helpers import CONTEXT_BYTES, private_node
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.system.enforce_lab import audit_decisions, lab_enforcer, ledger_snapshot, wait_ready
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node, sim_container, sim_run_argv
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
 MIB, GIB = 1024**2, 1024**3
@@ -52,55 +48,28 @@ def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
 
 
 def start(lab: ContainerLab, sim: simnode.SimNode, markers: Path, pod: str) -> RunningContainer:
-    spec = ContainerSpec(
-        name="worker",
-        namespace="ml",
-        pod=pod,
-        argv=[
-            sys.executable,
-            "-m",
-            "gpuwatch",
-            "sim",
-            "run",
-            "--mib-per-step",
-            "2048",
-            "--steps",
-            "1",
-            "--duty",
-            "0.3",
-            "--kernel-ms",
-            "5",
-            "--checkpoint-marker",
-            str(markers / pod),
-        ],
-        env=simnode.sim_env(sim),
-        extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
-        ro_binds=[str(sim.libraries.lib_dir)],
-    )
-    return wait_ready(lab.run(spec))
+    argv = sim_run_argv(mib_per_step=2048, steps=1, duty=0.3, kernel_ms=5, checkpoint_marker=markers / pod)
+    return wait_ready(lab.run(sim_container(sim, "worker", argv, binds=[markers], namespace="ml", pod=pod)))
 
 
-
-def ledger_snapshot(sim: simnode.SimNode, containers: list[RunningContainer]) -> Snapshot:
-    state = simnode.status(sim)
-    device = state.devices[0]
-    rows = []
+def stop_at_allocation(containers: list[RunningContainer], nbytes: int) -> list[ProbeEvent]:
+    """What the probe does when each container asks for `nbytes` more: every process stopped
+    (SIGSTOP), one STOPPED_AT_ALLOCATION event per container."""
+    events = []
     for c in containers:
-        pids = set(c.pids())
-        memory = sum(p.memory_bytes for p in state.processes if p.host_pid in pids)
-        if pids:
-            rows.append(ContainerUsage(identity_of(c), 0, "GPU-0", memory, 0.0, 0.0))
-    info = DeviceInfo(
-        0,
-        "GPU-0",
-        "sim",
-        None,
-        device.memory_total_bytes,
-        device.memory_used_bytes,
-        device.memory_total_bytes - device.memory_used_bytes,
-        simulated=True,
-    )
-    return Snapshot(timestamp_s=time.time(), node="sim", devices=(info,), containers=tuple(rows), simulated=True)
+        for pid in c.pids():
+            os.kill(pid, signal.SIGSTOP)
+        events.append(
+            ProbeEvent(ProbeEventKind.STOPPED_AT_ALLOCATION, time.time(), c.host_pid, 0, nbytes,
+                       cgroup_path=c.cgroup_path)
+        )
+    return events
+
+
+def wait_memory_used_at_most(sim: simnode.SimNode, nbytes: int, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while simnode.status(sim).devices[0].memory_used_bytes > nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stopped(pid: int) -> bool:
@@ -116,28 +85,10 @@ def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Pa
     (tmp_path / "policy.yaml").write_text(POLICY)
     with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
         low, high = start(lab, sim, markers, "low-0"), start(lab, sim, markers, "high-0")
-        enforcer = Enforcer(
-            tmp_path / "policy.yaml",
-            audit=AuditLog(tmp_path / "audit.jsonl"),
-            frozen_state_path=tmp_path / "frozen.json",
-            own_cgroups=frozenset(),
-        )
+        enforcer = lab_enforcer(tmp_path)
         try:
             # Each asks for 2 GiB more with 1 GiB free: the probe stops both at the allocation.
-            events = []
-            for c in (low, high):
-                for pid in c.pids():
-                    os.kill(pid, signal.SIGSTOP)
-                events.append(
-                    ProbeEvent(
-                        ProbeEventKind.STOPPED_AT_ALLOCATION,
-                        time.time(),
-                        c.host_pid,
-                        0,
-                        2 * GIB,
-                        cgroup_path=c.cgroup_path,
-                    )
-                )
+            events = stop_at_allocation([low, high], 2 * GIB)
             first = ledger_snapshot(sim, [low, high])
             assert first.devices[0].memory_free_bytes == GIB
             decisions = enforcer.on_snapshot(first, events)
@@ -147,10 +98,7 @@ def test_paper_deadlock_is_broken_by_priority(sim: simnode.SimNode, tmp_path: Pa
             assert low.wait(5) is not None
             assert (markers / "low-0").exists(), "the victim checkpointed before it ended"
             # The victim's 2 GiB are back: the survivor's stopped allocation now fits.
-            deadline = time.monotonic() + 5
-            while (simnode.status(sim).devices[0].memory_used_bytes > 2 * GIB + CONTEXT_BYTES
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
+            wait_memory_used_at_most(sim, 2 * GIB + CONTEXT_BYTES)
             decisions = enforcer.on_snapshot(ledger_snapshot(sim, [high]), events)
             assert [(d.verb.value, d.target.pod_name, d.continue_stopped) for d in decisions] == [
                 ("release", "high-0", True)
@@ -183,27 +131,9 @@ def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp
     (tmp_path / "policy.yaml").write_text("fair_share: {enabled: true}\n" + POLICY)
     with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
         low, high = start(lab, node, markers, "low-0"), start(lab, node, markers, "high-0")
-        enforcer = Enforcer(
-            tmp_path / "policy.yaml",
-            audit=AuditLog(tmp_path / "audit.jsonl"),
-            frozen_state_path=tmp_path / "frozen.json",
-            own_cgroups=frozenset(),
-        )
+        enforcer = lab_enforcer(tmp_path)
         try:
-            events = []
-            for c in (low, high):
-                for pid in c.pids():
-                    os.kill(pid, signal.SIGSTOP)
-                events.append(
-                    ProbeEvent(
-                        ProbeEventKind.STOPPED_AT_ALLOCATION,
-                        time.time(),
-                        c.host_pid,
-                        0,
-                        3 * GIB,
-                        cgroup_path=c.cgroup_path,
-                    )
-                )
+            events = stop_at_allocation([low, high], 3 * GIB)
             decisions = enforcer.on_snapshot(ledger_snapshot(node, [low, high]), events)
             assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "high-0"), ("pause", "low-0")]
             limits = enforcer.last_result.effective_limits_bytes if enforcer.last_result else {}
@@ -211,10 +141,7 @@ def test_fair_share_pauses_low_priority_instead_of_oom(sim: simnode.SimNode, tmp
             time.sleep(0.2)
             assert not any(stopped(pid) for pid in high.pids()) and frozen(low)
             high.stop()
-            deadline = time.monotonic() + 5
-            while (simnode.status(node).devices[0].memory_used_bytes > 2 * GIB + CONTEXT_BYTES
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
+            wait_memory_used_at_most(node, 2 * GIB + CONTEXT_BYTES)
             decisions = enforcer.on_snapshot(ledger_snapshot(node, [low]), events)
             assert [(d.verb.value, d.target.pod_name) for d in decisions] == [("release", "low-0")]
             time.sleep(0.2)

@@ -7,21 +7,18 @@ so this checks that the enforcer's cgroup handling fits what runc creates on thi
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.enforce.audit import AuditLog
 from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.control import cgroup_cpu_busy
-from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.enforce_lab import GIB, audit_decisions, identity_of, snapshot, wait_ready
-from tests.system.sim_helpers import private_node
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.system.enforce_lab import GIB, audit_decisions, identity_of, lab_enforcer, snapshot, wait_ready
+from tests.system.sim_helpers import private_node, sim_container, sim_run_argv
 
 pytestmark = [pytest.mark.root, pytest.mark.runc]
 MIB = 1024**2
@@ -58,32 +55,8 @@ def lab(tmp_path: Path, sim: simnode.SimNode) -> Iterator[ContainerLab]:
 def start(lab: ContainerLab, sim: simnode.SimNode, tmp_path: Path, name: str, namespace: str) -> RunningContainer:
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir(exist_ok=True)
-    spec = ContainerSpec(
-        name=name,
-        namespace=namespace,
-        pod=f"{name}-0",
-        argv=[
-            sys.executable,
-            "-m",
-            "gpuwatch",
-            "sim",
-            "run",
-            "--mib-per-step",
-            "768",
-            "--steps",
-            "1",
-            "--duty",
-            "0.5",
-            "--kernel-ms",
-            "5",
-            "--checkpoint-marker",
-            str(marker_dir / name),
-        ],
-        env=simnode.sim_env(sim),
-        extra_binds=[str(sim.state_path.parent), str(sim.root), str(marker_dir)],
-        ro_binds=[str(sim.libraries.lib_dir)],
-    )
-    return wait_ready(lab.run(spec))
+    argv = sim_run_argv(mib_per_step=768, steps=1, duty=0.5, kernel_ms=5, checkpoint_marker=marker_dir / name)
+    return wait_ready(lab.run(sim_container(sim, name, argv, binds=[marker_dir], namespace=namespace, pod=f"{name}-0")))
 
 
 
@@ -99,13 +72,7 @@ def test_pause_then_checkpoint_kill_on_runc_container(lab: ContainerLab, sim: si
     who = identity_of(container)
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    enforcer = Enforcer(
-        policy,
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        frozen_state_path=tmp_path / "frozen.json",
-        busy_source=cgroup_cpu_busy,
-        own_cgroups=frozenset(),
-    )
+    enforcer = lab_enforcer(tmp_path, policy, busy_source=cgroup_cpu_busy)
     try:
         assert cpu_advances(container), "the workload runs kernels (burns CPU) before enforcement"
         t0 = time.time()
@@ -139,13 +106,7 @@ def test_release_resumes_runc_container_and_protected_pod_untouched(
     dns = start(lab, sim, tmp_path, "coredns", "kube-system")
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    enforcer = Enforcer(
-        policy,
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        frozen_state_path=tmp_path / "frozen.json",
-        busy_source=cgroup_cpu_busy,
-        own_cgroups=frozenset(),
-    )
+    enforcer = lab_enforcer(tmp_path, policy, busy_source=cgroup_cpu_busy)
     try:
         decisions = enforcer.on_snapshot(snapshot((identity_of(trainer), GIB), (identity_of(dns), GIB)))
         assert [(d.verb.value, d.target.container_name) for d in decisions] == [("pause", "trainer2")]
