@@ -391,6 +391,28 @@ class ContainerEnforcement:
 
 
 @dataclass(frozen=True)
+class ProbeNvmlComparison:
+    """One container's probe counter and NVML number in one interval (None: not known);
+    computed once per interval by the pipeline (core/probe_nvml.py), read by the exporter
+    (divergence metric) and the enforcer (the in-kernel limit's safety net)."""
+
+    identity: ContainerIdentity
+    probe_bytes: int | None
+    nvml_bytes: int | None
+
+    @property
+    def judgeable(self) -> bool:
+        return self.probe_bytes is not None and self.nvml_bytes is not None
+
+    @property
+    def divergence_bytes(self) -> int | None:
+        """Probe minus NVML (positive: the probes count more than the driver holds)."""
+        if self.probe_bytes is None or self.nvml_bytes is None:
+            return None
+        return self.probe_bytes - self.nvml_bytes
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The one published view of the node for one sample interval."""
 
@@ -417,6 +439,10 @@ class Snapshot:
     progress: tuple[ContainerProgress, ...] = ()  # per container that declared a progress file
     enforcement: tuple[ContainerEnforcement, ...] = ()  # the enforcer's view (agent with --policy)
     kernel_time_scaled: tuple[tuple[str, int], ...] = ()  # (gpu uuid, sweeps scaled to its busy time)
+    probe_nvml: tuple[ProbeNvmlComparison, ...] | None = field(default=None, compare=False)
+    """The probe vs NVML comparison of this interval, made once by the sampler (None: a snapshot
+    built elsewhere or read back from JSON; core.probe_nvml.probe_nvml_of computes it then).
+    Derived from the fields above, so it takes no part in equality."""
 
 
 EMPTY_SNAPSHOT = Snapshot(timestamp_s=0.0, node="", devices=(), containers=(), gpu_up=False)

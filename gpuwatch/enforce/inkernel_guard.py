@@ -2,10 +2,11 @@
 kernel on a probe counter NVML contradicts.
 
 Every snapshot the enforcer hands the snapshot to `InKernelGuard.observe`, which compares
-each container's probe live bytes with its NVML memory (policy/probe_trust.py: pure
-comparison and hysteresis) and carries out what changes: a suspension or resumption is
-audited (event "crosscheck", action "suspend-inkernel" / "resume-inkernel"), logged once
-(a warning when suspended, info when resumed) and shown by
+each container's probe live bytes with its NVML memory (the snapshot's probe_nvml, made once
+per interval by the sampler; policy/probe_trust.py: the hysteresis) and carries out what
+changes: a suspension or resumption is audited (event "crosscheck", action
+"suspend-inkernel" / "resume-inkernel"), logged once (a warning when suspended, info when
+resumed) and shown by
 `gpuwatch_container_inkernel_enforcement_suspended`. The enforcer leaves the suspended
 containers out of the kernel limit map (Enforcer._push_limits), so the BPF program finds no
 entry and cannot act; polling enforcement on NVML numbers goes on as before.
@@ -22,8 +23,9 @@ from prometheus_client.core import GaugeMetricFamily
 
 from gpuwatch.core.labels import PROBE_LABELS, identity_labels
 from gpuwatch.core.model import Snapshot
+from gpuwatch.core.probe_nvml import probe_nvml_of
 from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.policy.probe_trust import ProbeNvmlCrossCheck, SuspensionChange, compare_probe_nvml
+from gpuwatch.policy.probe_trust import ProbeNvmlCrossCheck, SuspensionChange
 
 log = logging.getLogger(__name__)
 CROSSCHECK_RULE = "crosscheck"
@@ -42,7 +44,7 @@ class InKernelGuard:
 
     def observe(self, snapshot: Snapshot) -> list[SuspensionChange]:
         """Judge one snapshot; audit and log each suspension or resumption it causes."""
-        changes = self.check.observe(compare_probe_nvml(snapshot))
+        changes = self.check.observe(probe_nvml_of(snapshot))
         for change in changes:
             self.changes_total += 1
             self._record(change)

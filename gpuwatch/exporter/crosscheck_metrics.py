@@ -1,4 +1,4 @@
-"""Metric family for the probe vs NVML cross-check (policy/probe_trust.py).
+"""Metric family for the probe vs NVML cross-check (core/probe_nvml.py).
 
 `gpuwatch_container_probe_nvml_divergence_bytes` -- per container, its probe live bytes
 (the larger of the decoded driver counter and the libcuda counter, all GPUs) minus its NVML
@@ -8,7 +8,8 @@ which is what suspends in-kernel enforcement when it lasts
 labels without the GPU (node, namespace, pod, pod_uid, container, container_id): the
 comparison is over all of a container's GPUs, as the kernel limit is. A container without
 either number (probes off, NVML N/A, not listed by NVML) is left out, never exported as 0.
-Built from the snapshot alone, so it exists with or without a policy.
+Read from the snapshot (its probe_nvml, the comparison the enforcer judges too), so it
+exists with or without a policy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpuwatch.core.labels import PROBE_LABELS, identity_labels
 from gpuwatch.core.model import Snapshot
-from gpuwatch.policy.probe_trust import compare_probe_nvml
+from gpuwatch.core.probe_nvml import probe_nvml_of
 
 DIVERGENCE_METRIC = "gpuwatch_container_probe_nvml_divergence_bytes"
 
@@ -29,7 +30,7 @@ def crosscheck_families(s: Snapshot) -> list[Metric]:
         "memory of the container (all GPUs); positive: the probes count more than the driver holds.",
         labels=PROBE_LABELS)
     seen: set[tuple[str, ...]] = set()
-    for comparison in compare_probe_nvml(s).values():
+    for comparison in probe_nvml_of(s).values():
         value = comparison.divergence_bytes
         labels = (s.node, *identity_labels(comparison.identity))
         if value is None or labels in seen:

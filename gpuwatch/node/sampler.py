@@ -41,6 +41,7 @@ from gpuwatch.core.model import (
     ProcessProbe,
     Snapshot,
 )
+from gpuwatch.core.probe_nvml import compare_probe_nvml
 from gpuwatch.gpu.backend import GpuBackend
 from gpuwatch.node.attribution import DEFAULT_MAX_RETIRED, AttributionState, attribute
 from gpuwatch.node.probe_join import join_process_probes, needs_process_join
@@ -133,7 +134,8 @@ class Sampler:
             wall0 = time.perf_counter()
             cpu0 = time.thread_time()
             snapshot = self._sample()
-            snapshot = dataclasses.replace(snapshot, cycle_seconds=time.perf_counter() - wall0,
+            comparison = tuple(compare_probe_nvml(snapshot).values())  # once per interval, for every reader
+            snapshot = dataclasses.replace(snapshot, probe_nvml=comparison, cycle_seconds=time.perf_counter() - wall0,
                                            cycle_cpu_seconds=time.thread_time() - cpu0)
             self._latest = snapshot
             return snapshot

@@ -29,77 +29,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatch.core.model import ContainerIdentity, Snapshot
+from gpuwatch.core.model import ContainerIdentity, ProbeNvmlComparison
 
 MIB = 1024**2
 DEFAULT_MIN_EXCESS_BYTES = 64 * MIB
 DEFAULT_EXCESS_RATIO = 0.10
 DEFAULT_SUSPEND_AFTER_INTERVALS = 3
 DEFAULT_RESUME_AFTER_INTERVALS = 3
-
-
-@dataclass(frozen=True)
-class ProbeNvmlComparison:
-    """One container's probe counter and NVML number in one interval (None: not known)."""
-
-    identity: ContainerIdentity
-    probe_bytes: int | None
-    nvml_bytes: int | None
-
-    @property
-    def judgeable(self) -> bool:
-        return self.probe_bytes is not None and self.nvml_bytes is not None
-
-    @property
-    def divergence_bytes(self) -> int | None:
-        """Probe minus NVML (positive: the probes count more than the driver holds)."""
-        if self.probe_bytes is None or self.nvml_bytes is None:
-            return None
-        return self.probe_bytes - self.nvml_bytes
-
-
-def probe_container_bytes(snapshot: Snapshot) -> dict[str, tuple[ContainerIdentity, int]]:
-    """Container key -> (identity, probe live bytes): per cgroup id the larger of the decoded
-    driver counter (every GPU, the unknown one included) and the libcuda counter, summed over
-    the container's cgroup ids. Counters of cgroups the snapshot cannot name are left out."""
-    identities = dict(snapshot.probe_identities)
-    found: dict[str, tuple[ContainerIdentity, int]] = {}
-    for counter in snapshot.probe_counters:
-        identity = identities.get(counter.cgroup_id)
-        if identity is None:
-            continue
-        driver_bytes = sum(size for _gpu, size in counter.allocated_bytes_by_gpu)
-        live = max(driver_bytes, counter.cuda_allocated_bytes or 0)
-        before = found.get(identity.key)
-        found[identity.key] = (before[0] if before else identity, (before[1] if before else 0) + live)
-    return found
-
-
-def nvml_container_bytes(snapshot: Snapshot) -> dict[str, tuple[ContainerIdentity, int]]:
-    """Container key -> (identity, NVML used bytes over all its GPUs). A container whose
-    processes all read N/A has no number and is left out."""
-    found: dict[str, tuple[ContainerIdentity, int]] = {}
-    for row in snapshot.containers:
-        if not any(p.memory_bytes is not None for p in row.processes):
-            continue
-        before = found.get(row.identity.key)
-        found[row.identity.key] = (before[0] if before else row.identity,
-                                   (before[1] if before else 0) + row.memory_bytes)
-    return found
-
-
-def compare_probe_nvml(snapshot: Snapshot) -> dict[str, ProbeNvmlComparison]:
-    """Every container with a probe counter or an NVML number, by container key. Without
-    probes (probes_up false) or NVML (gpu_up false) that side is None for everyone."""
-    probes = probe_container_bytes(snapshot) if snapshot.probes_up else {}
-    nvml = nvml_container_bytes(snapshot) if snapshot.gpu_up else {}
-    out: dict[str, ProbeNvmlComparison] = {}
-    for key in sorted(set(probes) | set(nvml)):
-        identity = (nvml.get(key) or probes[key])[0]
-        probe = probes.get(key)
-        used = nvml.get(key)
-        out[key] = ProbeNvmlComparison(identity, probe[1] if probe else None, used[1] if used else None)
-    return out
 
 
 @dataclass(frozen=True)

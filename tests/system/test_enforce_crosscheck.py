@@ -31,12 +31,12 @@ from prometheus_client import CollectorRegistry
 from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.core.labels import identity_labels
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
+from gpuwatch.core.probe_nvml import compare_probe_nvml
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.inkernel_guard import SUSPENDED_METRIC
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.exporter.crosscheck_metrics import DIVERGENCE_METRIC
-from gpuwatch.policy.probe_trust import compare_probe_nvml
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer

@@ -24,11 +24,11 @@ import pytest
 
 from gpuwatch.containers.resolver import IdentityResolver
 from gpuwatch.core.model import DeviceInfo, GpuProcess, GpuSweep
+from gpuwatch.core.probe_nvml import compare_probe_nvml
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.limitmap import NullLimitMap
 from gpuwatch.node.sampler import Sampler
-from gpuwatch.policy.probe_trust import compare_probe_nvml
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from tests.system.sim_helpers import Workers, cgroup2_root, private_node, workers

@@ -4,14 +4,20 @@ resume), containers appearing and disappearing, and no judgement without an NVML
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from gpuwatch.core.model import ContainerIdentity, ContainerUsage, ProbeCounters, ProcessUsage, Snapshot
-from gpuwatch.policy.probe_trust import (
+from gpuwatch.core.model import (
+    ContainerIdentity,
+    ContainerUsage,
+    ProbeCounters,
     ProbeNvmlComparison,
-    ProbeNvmlCrossCheck,
-    compare_probe_nvml,
+    ProcessUsage,
+    Snapshot,
 )
+from gpuwatch.core.probe_nvml import compare_probe_nvml, probe_nvml_of
+from gpuwatch.policy.probe_trust import ProbeNvmlCrossCheck
 
 MIB = 1024**2
 A = ContainerIdentity(runtime="k8s", cgroup_path="/kubepods/a", container_id="a" * 64, container_name="a",
@@ -158,3 +164,14 @@ def test_snapshot_without_numbers_gives_none() -> None:
     assert compare_probe_nvml(snap((row(A, 0, 50),), counters, ((11, A),), gpu_up=False))[A.key].nvml_bytes is None
     found = compare_probe_nvml(snap((row(A, 0, 50),), counters, ((11, A),), probes_up=False))
     assert found[A.key].probe_bytes is None and found[A.key].nvml_bytes == 50 * MIB
+
+
+def test_the_comparison_is_made_once_per_interval_and_read_from_the_snapshot() -> None:
+    """The sampler stores the comparison in the snapshot; the exporter and the enforcer read
+    that one (a copy with other fields keeps it), and only a hand-built snapshot computes it."""
+    counters = (ProbeCounters(cgroup_id=11, allocated_bytes_by_gpu=((0, 300 * MIB),)),)
+    built = snap((row(A, 0, 100),), counters, ((11, A),))
+    assert built.probe_nvml is None and probe_nvml_of(built) == compare_probe_nvml(built)
+    made = dataclasses.replace(built, probe_nvml=(ProbeNvmlComparison(A, 1, 2),))
+    assert probe_nvml_of(made) == {A.key: ProbeNvmlComparison(A, 1, 2)}  # the stored one, not recomputed
+    assert probe_nvml_of(dataclasses.replace(made, cycle_seconds=0.5)) == probe_nvml_of(made)
