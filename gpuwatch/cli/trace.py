@@ -16,7 +16,7 @@ from types import FrameType
 import click
 
 from gpuwatch.core.model import ContainerIdentity
-from gpuwatch.probes.kernel_events import ProbeEvent
+from gpuwatch.probes.kernel_events import KernelEvent
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.probes.trace_view import HEADER, TraceFilter, format_json, format_line
 
@@ -40,7 +40,7 @@ class _Identities:
         self._resolver = IdentityResolver()
         self._cache: dict[int, tuple[float, ContainerIdentity]] = {}
 
-    def get(self, ev: ProbeEvent) -> ContainerIdentity | None:
+    def get(self, ev: KernelEvent) -> ContainerIdentity | None:
         now = time.monotonic()
         hit = self._cache.get(ev.cgroup_id)
         if hit is not None and now - hit[0] < self.TTL_S:

@@ -61,7 +61,7 @@ from gpuwatch.policy.evaluate import (
     Verb,
     evaluate,
 )
-from gpuwatch.policy.events import ProbeEvent
+from gpuwatch.policy.events import KernelEventRecord, ProbeEvent
 from gpuwatch.policy.match import select_rule
 from gpuwatch.policy.probe_trust import ProbeNvmlCrossCheck
 from gpuwatch.policy.rules import ActionKind, Policy
@@ -260,7 +260,8 @@ class Enforcer:
         """The prometheus Collector to register (actions, limits, paused/throttled, reloads, deadlocks)."""
         return self.metrics
 
-    def on_snapshot(self, snapshot: Snapshot, probe_events: Sequence[Any] = ()) -> list[Decision]:
+    def on_snapshot(self, snapshot: Snapshot,
+                    probe_events: Sequence[ProbeEvent | KernelEventRecord] = ()) -> list[Decision]:
         """Evaluate one snapshot, act (unless dry-run), audit every decision.
 
         `probe_events`: evaluator ProbeEvents or the probes layer's events (converted)."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
+from gpuwatch.policy.events import KernelEventRecord, ProbeEvent, ProbeEventKind
 
 KIND_BY_TYPE = {
     "oom": ProbeEventKind.OOM,
@@ -24,29 +23,29 @@ ANY_GPU = -1
 
 
 def convert_events(
-    events: Iterable[Any],
+    events: Iterable[ProbeEvent | KernelEventRecord],
     wall: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
 ) -> list[ProbeEvent]:
-    """Accept evaluator ProbeEvents as they are; convert probes-layer events (duck-typed:
-    type, ts_ns, cgroup_id, tgid, size_bytes, device); drop everything else."""
+    """Accept evaluator ProbeEvents as they are; convert the probes layer's events
+    (KernelEventRecord) of the kinds evaluation reacts to; drop the other kinds."""
     offset = wall() - monotonic()
     out: list[ProbeEvent] = []
     for event in events:
         if isinstance(event, ProbeEvent):
             out.append(event)
             continue
-        kind = KIND_BY_TYPE.get(str(getattr(event, "type", "")))
+        kind = KIND_BY_TYPE.get(event.type)
         if kind is None:
             continue
-        device = getattr(event, "device", None)
+        device = event.device
         out.append(
             ProbeEvent(
                 kind=kind,
                 timestamp_s=int(event.ts_ns) / 1e9 + offset,
-                pid=int(getattr(event, "tgid", 0)),
+                pid=int(event.tgid),
                 gpu_index=ANY_GPU if device is None or device < 0 else int(device),
-                requested_bytes=int(getattr(event, "size_bytes", 0)),
+                requested_bytes=int(event.size_bytes),
                 cgroup_id=int(event.cgroup_id),
             )
         )

@@ -1,14 +1,18 @@
 """Rare probe events the evaluator reacts to (OOM returns, stopped/over-limit allocations).
 
-The probes layer decodes its ring-buffer records into these values; evaluation only reads
-them. `cgroup_path` is matched against ContainerIdentity.cgroup_path, `cgroup_id` against
-ContainerIdentity.cgroup_id (either may be unknown).
+The probes layer decodes its ring-buffer records into KernelEvents
+(probes/kernel_events.py), which reach the enforcer as `KernelEventRecord` (the typed seam:
+the fields it reads, which KernelEvent has) and are converted by enforce/probe_events.py;
+evaluation only reads the ProbeEvents made from them. `cgroup_path` is matched against
+ContainerIdentity.cgroup_path, `cgroup_id` against ContainerIdentity.cgroup_id (either may
+be unknown).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 
 class ProbeEventKind(StrEnum):
@@ -29,3 +33,28 @@ class ProbeEvent:
     requested_bytes: int
     cgroup_path: str = ""
     cgroup_id: int | None = None
+
+
+class KernelEventRecord(Protocol):
+    """A ring-buffer event as the probes layer decodes it (probes.kernel_events.KernelEvent):
+    the fields the enforcer turns into a ProbeEvent. `type` is the event name ("oom",
+    "over_limit", "stop", ...), `ts_ns` CLOCK_MONOTONIC, `device` the GPU index (None for
+    CUDA-API records, -1 unknown)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def ts_ns(self) -> int: ...
+
+    @property
+    def cgroup_id(self) -> int: ...
+
+    @property
+    def tgid(self) -> int: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def device(self) -> int | None: ...

@@ -47,7 +47,7 @@ def device_index(slot: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class ProbeEvent:
+class KernelEvent:
     """One rare event from the kernel (or, with verbose events, one open/alloc/free)."""
 
     type: str
@@ -63,7 +63,7 @@ class ProbeEvent:
     kind: str
 
     @classmethod
-    def from_record(cls, raw: bytes) -> ProbeEvent:
+    def from_record(cls, raw: bytes) -> KernelEvent:
         ev = layout.GwEvent.from_buffer_copy(raw[:ctypes.sizeof(layout.GwEvent)])
         return cls(type=EVENT_NAMES.get(ev.type, f"unknown_{ev.type}"), ts_ns=ev.ts_ns,
                    cgroup_id=ev.cgroup_id, tgid=ev.tgid, tid=ev.tid,

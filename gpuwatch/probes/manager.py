@@ -32,7 +32,7 @@ from gpuwatch.core.model import ProbeCounters, ProcessProbe
 from gpuwatch.probes import bcc_loader, bpfsys, fdseed, housekeeping, layout, pinning, uprobes
 from gpuwatch.probes.counters import read_counters, read_process_counters, read_uvm_ioctls
 from gpuwatch.probes.elf import ElfError, symbol_offsets
-from gpuwatch.probes.kernel_events import ProbeEvent
+from gpuwatch.probes.kernel_events import KernelEvent
 from gpuwatch.probes.libcuda import LibraryCopy, discover
 from gpuwatch.probes.ringbuf import RingBuffer
 
@@ -370,7 +370,7 @@ class ProbeManager:
             return {struct.unpack("<I", k)[0]: struct.unpack("<I", v[:4])[0] for k, v in self._map(name).items()}
         return {"gpu_id_to_minor": read("gw_gpu_minor"), "instance_to_gpu_id": read("gw_gpu_instance")}
 
-    def poll_events(self, timeout_ms: int) -> list[ProbeEvent]:
+    def poll_events(self, timeout_ms: int) -> list[KernelEvent]:
         """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop).
         Waits without holding the manager's lock, so read() and stop() are never blocked."""
         ring = self._ring
@@ -380,10 +380,10 @@ class ProbeManager:
             ring.wait(timeout_ms)
         except ValueError:  # stop() closed the ring buffer while we waited
             return []
-        out: list[ProbeEvent] = []
+        out: list[KernelEvent] = []
         with self._lock:
             if self._ring is ring:
-                ring.consume(lambda raw: out.append(ProbeEvent.from_record(raw)))
+                ring.consume(lambda raw: out.append(KernelEvent.from_record(raw)))
         return out
 
     # ---- limits (kill/stop at the allocation, used by the enforcer) ---------------------------

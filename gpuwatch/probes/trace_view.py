@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 
 from gpuwatch.core.model import ContainerIdentity
-from gpuwatch.probes.kernel_events import ProbeEvent
+from gpuwatch.probes.kernel_events import KernelEvent
 
 HEADER = f"{'TIME(s)':>10} {'PID':>7} {'COMM':<16} {'CONTAINER':<40} {'EVENT':<16} DETAIL"
 
@@ -52,7 +52,7 @@ def _where(identity: ContainerIdentity | None, cgroup_id: int) -> str:
     return identity.display_name
 
 
-def detail(ev: ProbeEvent) -> str:
+def detail(ev: KernelEvent) -> str:
     dev = "" if ev.device is None else ("gpu=?" if ev.device < 0 else f"gpu={ev.device}")
     if ev.type == "device_open":
         return f"kind={ev.kind} fd={ev.value} {dev}".strip()
@@ -67,13 +67,13 @@ def detail(ev: ProbeEvent) -> str:
     return ""
 
 
-def format_line(ev: ProbeEvent, identity: ContainerIdentity | None, t0_ns: int) -> str:
+def format_line(ev: KernelEvent, identity: ContainerIdentity | None, t0_ns: int) -> str:
     t = (ev.ts_ns - t0_ns) / 1e9
     return (f"{t:>10.3f} {ev.tgid:>7} {ev.comm[:16]:<16} {_where(identity, ev.cgroup_id)[:40]:<40} "
             f"{ev.type:<16} {detail(ev)}").rstrip()
 
 
-def format_json(ev: ProbeEvent, identity: ContainerIdentity | None) -> str:
+def format_json(ev: KernelEvent, identity: ContainerIdentity | None) -> str:
     doc = {
         "ts_ns": ev.ts_ns, "event": ev.type, "pid": ev.tgid, "tid": ev.tid, "comm": ev.comm,
         "cgroup_id": ev.cgroup_id, "source": ev.source or None, "device": ev.device,

@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatch.probes import layout
 from gpuwatch.probes.elf import ElfError, symbol_offsets
-from gpuwatch.probes.kernel_events import ProbeEvent, ioctl_op_name
+from gpuwatch.probes.kernel_events import KernelEvent, ioctl_op_name
 from gpuwatch.probes.libcuda import discover
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_event_record_decodes() -> None:
     ev = layout.GwEvent(ts_ns=5, cgroup_id=77, bytes=4096, value=2, type=layout.GW_EV_OOM, tgid=10,
                         tid=11, device=layout.GW_DEV_CUDA, source=layout.GW_SRC_CUDA, kind=0,
                         comm=b"python3")
-    e = ProbeEvent.from_record(bytes(ev) + b"\0" * 8)
+    e = KernelEvent.from_record(bytes(ev) + b"\0" * 8)
     assert (e.type, e.cgroup_id, e.size_bytes, e.tgid, e.comm, e.device, e.source) == \
         ("oom", 77, 4096, 10, "python3", None, "cuda")
 
