@@ -42,11 +42,72 @@ from gpuwatch.core.labels import (
 )
 from gpuwatch.core.model import Snapshot
 from gpuwatch.exporter.crosscheck_metrics import crosscheck_families
+from gpuwatch.exporter.families import FieldFamily, as_metrics, fill, new_families
 from gpuwatch.exporter.progress_metrics import progress_families
 from gpuwatch.exporter.signal_metrics import health_reason, signal_families
 from gpuwatch.policy.sharing import exclusive_holders, gpu_tenants, gpu_users, outside_pod_processes
 
 log = logging.getLogger(__name__)
+
+# Per container and GPU (ContainerUsage fields; gpuwatch_container_processes is counted by hand).
+_CONTAINER_FAMILIES = (
+    FieldFamily("gpuwatch_container_memory_bytes", "GPU memory held by the container's processes on this GPU.",
+                "memory_bytes"),
+    FieldFamily("gpuwatch_container_sm_utilization_ratio",
+                "The container's kernel seconds on this GPU over the last interval (0-1).", "sm_utilization_ratio"),
+    FieldFamily("gpuwatch_container_kernel_seconds",
+                "GPU seconds the container's processes ran on this GPU (NVML's samples by "
+                "the time each covers, at most the GPU's busy time).", "kernel_seconds_total", counter=True),
+)
+
+
+def _group_families(level: str) -> tuple[FieldFamily, ...]:
+    """Per pod or per namespace (GroupUsage fields), all GPUs."""
+    return (
+        FieldFamily(f"gpuwatch_{level}_memory_bytes", f"GPU memory held by the {level}'s containers, all GPUs.",
+                    "memory_bytes"),
+        FieldFamily(f"gpuwatch_{level}_sm_utilization_ratio",
+                    f"Sum of the {level}'s SM utilisation over its GPUs (2 = two full GPUs).", "sm_utilization_ratio"),
+        FieldFamily(f"gpuwatch_{level}_kernel_seconds", f"Kernel (SM) seconds of the {level}, all GPUs.",
+                    "kernel_seconds_total", counter=True),
+        FieldFamily(f"gpuwatch_{level}_containers", f"Containers of the {level} using a GPU.", "containers"),
+    )
+
+
+# The per-cgroup probe families, in exposition order (ProbeCounters fields; the cuda_* group is
+# left out where the libcuda uprobes are off, i.e. cuda_allocated_bytes is None).
+_PROBE_FAMILIES = (
+    FieldFamily("gpuwatch_container_ioctl_calls", "NVIDIA driver ioctls by the container, by operation.",
+                "ioctl_calls_by_op", counter=True, by="op"),
+    FieldFamily("gpuwatch_container_uvm_ioctl_calls", "nvidia-uvm ioctls by the container, by bare command number "
+                "(managed memory; not RM allocations).", "uvm_ioctl_calls_by_cmd", counter=True, by="cmd"),
+    FieldFamily("gpuwatch_container_ioctl_failures", "NVIDIA driver ioctls that returned an error.",
+                "ioctl_failures_total", counter=True),
+    FieldFamily("gpuwatch_container_ioctl_op_failures", "NVIDIA driver ioctls that returned an error, by operation.",
+                "ioctl_failures_by_op", counter=True, by="op"),
+    FieldFamily("gpuwatch_container_allocations", "GPU memory allocations seen by the probes.", "allocations_total",
+                counter=True),
+    FieldFamily("gpuwatch_container_frees", "GPU memory frees seen by the probes.", "frees_total", counter=True),
+    FieldFamily("gpuwatch_container_allocation_failures", "GPU memory allocations that failed.",
+                "allocation_failures_total", counter=True),
+    FieldFamily("gpuwatch_container_kernel_launches", "Kernel launches seen by the probes.", "launches_total",
+                counter=True, optional=True),
+    FieldFamily("gpuwatch_container_graph_launches", "CUDA graph launches seen by the libcuda probes.",
+                "graph_launches_total", counter=True, optional=True),
+    FieldFamily("gpuwatch_container_allocated_bytes",
+                "Live GPU memory allocated per decoded driver ioctls (gpu -1: unknown).", "allocated_bytes_by_gpu",
+                by="gpu"),
+    FieldFamily("gpuwatch_container_cuda_allocated_bytes",
+                "Live GPU memory allocated through libcuda, per the uprobes.", "cuda_allocated_bytes",
+                gate="cuda_allocated_bytes"),
+    FieldFamily("gpuwatch_container_cuda_allocations", "libcuda allocation calls.", "cuda_allocations_total",
+                counter=True, gate="cuda_allocated_bytes"),
+    FieldFamily("gpuwatch_container_cuda_frees", "libcuda free calls.", "cuda_frees_total", counter=True,
+                gate="cuda_allocated_bytes"),
+    FieldFamily("gpuwatch_container_cuda_out_of_memory", "libcuda allocations that failed with out-of-memory.",
+                "cuda_oom_total", counter=True, gate="cuda_allocated_bytes"),
+)
+
 
 class SnapshotCollector(Collector):
     """Yields gpuwatch_* metric families built from `get_snapshot()` on each scrape."""
@@ -194,16 +255,7 @@ class SnapshotCollector(Collector):
         return [*gauges.values(), *counters.values(), remap_failure, last_xid]
 
     def _containers(self, s: Snapshot) -> list[Metric]:
-        memory = GaugeMetricFamily("gpuwatch_container_memory_bytes",
-                                   "GPU memory held by the container's processes on this GPU.",
-                                   labels=CONTAINER_LABELS)
-        sm = GaugeMetricFamily("gpuwatch_container_sm_utilization_ratio",
-                               "The container's kernel seconds on this GPU over the last interval (0-1).",
-                               labels=CONTAINER_LABELS)
-        kernel = CounterMetricFamily("gpuwatch_container_kernel_seconds",
-                                     "GPU seconds the container's processes ran on this GPU (NVML's samples by "
-                                     "the time each covers, at most the GPU's busy time).",
-                                     labels=CONTAINER_LABELS)
+        built = new_families(_CONTAINER_FAMILIES, CONTAINER_LABELS)
         procs = GaugeMetricFamily("gpuwatch_container_processes",
                                   "Processes of the container on this GPU.", labels=CONTAINER_LABELS)
         models = {d.uuid: d for d in s.devices}
@@ -212,33 +264,19 @@ class SnapshotCollector(Collector):
             gpu = gpu_label(device) if device is not None else str(c.gpu_index)
             labels = [s.node, gpu, c.gpu_uuid, device.name if device is not None else "",
                       *identity_labels(c.identity)]
-            memory.add_metric(labels, c.memory_bytes)
-            sm.add_metric(labels, c.sm_utilization_ratio)
-            kernel.add_metric(labels, c.kernel_seconds_total)
+            fill(built, labels, c)
             procs.add_metric(labels, len(c.processes))
-        return [memory, sm, kernel, procs]
+        return [*as_metrics(built), procs]
 
     def _groups(self, s: Snapshot) -> list[Metric]:
         families: list[Metric] = []
         for level, groups, label_names in (("pod", s.pods, POD_LABELS),
                                            ("namespace", s.namespaces, NAMESPACE_LABELS)):
-            memory = GaugeMetricFamily(f"gpuwatch_{level}_memory_bytes",
-                                       f"GPU memory held by the {level}'s containers, all GPUs.",
-                                       labels=label_names)
-            sm = GaugeMetricFamily(f"gpuwatch_{level}_sm_utilization_ratio",
-                                   f"Sum of the {level}'s SM utilisation over its GPUs (2 = two full GPUs).",
-                                   labels=label_names)
-            kernel = CounterMetricFamily(f"gpuwatch_{level}_kernel_seconds",
-                                         f"Kernel (SM) seconds of the {level}, all GPUs.", labels=label_names)
-            count = GaugeMetricFamily(f"gpuwatch_{level}_containers",
-                                      f"Containers of the {level} using a GPU.", labels=label_names)
+            built = new_families(_group_families(level), label_names)
             for g in groups:
                 labels = [s.node, g.namespace, g.pod, g.pod_uid] if level == "pod" else [s.node, g.namespace]
-                memory.add_metric(labels, g.memory_bytes)
-                sm.add_metric(labels, g.sm_utilization_ratio)
-                kernel.add_metric(labels, g.kernel_seconds_total)
-                count.add_metric(labels, g.containers)
-            families += [memory, sm, kernel, count]
+                fill(built, labels, g)
+            families += as_metrics(built)
         return families
 
     def _sharing(self, s: Snapshot) -> list[Metric]:
@@ -272,43 +310,7 @@ class SnapshotCollector(Collector):
     def _probes(self, s: Snapshot) -> list[Metric]:
         if not s.probe_counters:
             return []
-        ioctls = CounterMetricFamily("gpuwatch_container_ioctl_calls",
-                                     "NVIDIA driver ioctls by the container, by operation.",
-                                     labels=[*PROBE_LABELS, "op"])
-        uvm_ioctls = CounterMetricFamily("gpuwatch_container_uvm_ioctl_calls",
-                                         "nvidia-uvm ioctls by the container, by bare command number "
-                                         "(managed memory; not RM allocations).",
-                                         labels=[*PROBE_LABELS, "cmd"])
-        ioctl_failures = CounterMetricFamily("gpuwatch_container_ioctl_failures",
-                                             "NVIDIA driver ioctls that returned an error.",
-                                             labels=PROBE_LABELS)
-        allocs = CounterMetricFamily("gpuwatch_container_allocations",
-                                     "GPU memory allocations seen by the probes.", labels=PROBE_LABELS)
-        frees = CounterMetricFamily("gpuwatch_container_frees", "GPU memory frees seen by the probes.",
-                                    labels=PROBE_LABELS)
-        alloc_failures = CounterMetricFamily("gpuwatch_container_allocation_failures",
-                                             "GPU memory allocations that failed.", labels=PROBE_LABELS)
-        launches = CounterMetricFamily("gpuwatch_container_kernel_launches",
-                                       "Kernel launches seen by the probes.", labels=PROBE_LABELS)
-        live = GaugeMetricFamily("gpuwatch_container_allocated_bytes",
-                                 "Live GPU memory allocated per decoded driver ioctls (gpu -1: unknown).",
-                                 labels=[*PROBE_LABELS, "gpu"])
-        op_failures = CounterMetricFamily("gpuwatch_container_ioctl_op_failures",
-                                          "NVIDIA driver ioctls that returned an error, by operation.",
-                                          labels=[*PROBE_LABELS, "op"])
-        graph_launches = CounterMetricFamily("gpuwatch_container_graph_launches",
-                                             "CUDA graph launches seen by the libcuda probes.",
-                                             labels=PROBE_LABELS)
-        cuda_live = GaugeMetricFamily("gpuwatch_container_cuda_allocated_bytes",
-                                      "Live GPU memory allocated through libcuda, per the uprobes.",
-                                      labels=PROBE_LABELS)
-        cuda_allocs = CounterMetricFamily("gpuwatch_container_cuda_allocations",
-                                          "libcuda allocation calls.", labels=PROBE_LABELS)
-        cuda_frees = CounterMetricFamily("gpuwatch_container_cuda_frees", "libcuda free calls.",
-                                         labels=PROBE_LABELS)
-        cuda_oom = CounterMetricFamily("gpuwatch_container_cuda_out_of_memory",
-                                       "libcuda allocations that failed with out-of-memory.",
-                                       labels=PROBE_LABELS)
+        built = new_families(_PROBE_FAMILIES, PROBE_LABELS)
         identities = dict(s.probe_identities)
         seen: set[tuple[str, ...]] = set()
         for counter in s.probe_counters:
@@ -321,26 +323,5 @@ class SnapshotCollector(Collector):
             if tuple(labels) in seen:  # two cgroup ids of one container: keep the first
                 continue
             seen.add(tuple(labels))
-            for op, calls in counter.ioctl_calls_by_op:
-                ioctls.add_metric([*labels, op], calls)
-            for cmd, calls in counter.uvm_ioctl_calls_by_cmd:
-                uvm_ioctls.add_metric([*labels, cmd], calls)
-            ioctl_failures.add_metric(labels, counter.ioctl_failures_total)
-            allocs.add_metric(labels, counter.allocations_total)
-            frees.add_metric(labels, counter.frees_total)
-            alloc_failures.add_metric(labels, counter.allocation_failures_total)
-            if counter.launches_total is not None:
-                launches.add_metric(labels, counter.launches_total)
-            for gpu_index, size in counter.allocated_bytes_by_gpu:
-                live.add_metric([*labels, str(gpu_index)], size)
-            for op, failures in counter.ioctl_failures_by_op:
-                op_failures.add_metric([*labels, op], failures)
-            if counter.graph_launches_total is not None:
-                graph_launches.add_metric(labels, counter.graph_launches_total)
-            if counter.cuda_allocated_bytes is not None:  # None: the libcuda uprobes are off
-                cuda_live.add_metric(labels, counter.cuda_allocated_bytes)
-                cuda_allocs.add_metric(labels, counter.cuda_allocations_total)
-                cuda_frees.add_metric(labels, counter.cuda_frees_total)
-                cuda_oom.add_metric(labels, counter.cuda_oom_total)
-        return [ioctls, uvm_ioctls, ioctl_failures, op_failures, allocs, frees, alloc_failures, launches,
-                graph_launches, live, cuda_live, cuda_allocs, cuda_frees, cuda_oom]
+            fill(built, labels, counter)
+        return as_metrics(built)

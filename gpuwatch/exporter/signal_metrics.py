@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gpuwatch.core.labels import CONTAINER_LABELS, GPU_LABELS, PROBE_LABELS, gpu_label, identity_labels
 from gpuwatch.core.model import Snapshot
+from gpuwatch.exporter.families import FieldFamily, as_metrics, fill, new_families
 from gpuwatch.signals.topology import pair_score
 
 PAIR_LABELS = ["node", "gpu", "peer"]
@@ -101,54 +102,55 @@ def _topology(s: Snapshot) -> list[Metric]:
     return [level, nvlinks, score]
 
 
+_NIC_LABELS = ["node", "device"]
+_PORT_LABELS = ["node", "device", "port", "link_layer"]
+_NIC_FAMILIES = (
+    FieldFamily("gpuwatch_node_network_receive_bytes", "Bytes received by the node's NIC.", "receive_bytes_total",
+                counter=True),
+    FieldFamily("gpuwatch_node_network_transmit_bytes", "Bytes sent by the node's NIC.", "transmit_bytes_total",
+                counter=True),
+    FieldFamily("gpuwatch_node_network_speed_bytes", "Link speed of the NIC in bytes per second.",
+                "speed_bytes_per_second", optional=True),
+)
+_PORT_FAMILIES = (
+    FieldFamily("gpuwatch_node_rdma_port_rate_bytes", "RDMA port rate in bytes per second.", "rate_bytes_per_second",
+                optional=True),
+    FieldFamily("gpuwatch_node_rdma_port_receive_bytes", "Bytes received on the RDMA port.", "receive_bytes_total",
+                counter=True, optional=True),
+    FieldFamily("gpuwatch_node_rdma_port_transmit_bytes", "Bytes sent on the RDMA port.", "transmit_bytes_total",
+                counter=True, optional=True),
+)
+_CONTAINER_NETWORK_FAMILIES = (
+    FieldFamily("gpuwatch_container_network_receive_bytes",
+                "Bytes received in the network namespace of a container that uses a GPU.", "receive_bytes_total",
+                counter=True),
+    FieldFamily("gpuwatch_container_network_transmit_bytes",
+                "Bytes sent from the network namespace of a container that uses a GPU.", "transmit_bytes_total",
+                counter=True),
+)
+
+
 def _network(s: Snapshot) -> list[Metric]:
-    nic_labels = ["node", "device"]
-    rx = CounterMetricFamily("gpuwatch_node_network_receive_bytes", "Bytes received by the node's NIC.",
-                             labels=nic_labels)
-    tx = CounterMetricFamily("gpuwatch_node_network_transmit_bytes", "Bytes sent by the node's NIC.",
-                             labels=nic_labels)
-    speed = GaugeMetricFamily("gpuwatch_node_network_speed_bytes", "Link speed of the NIC in bytes per second.",
-                              labels=nic_labels)
+    nics = new_families(_NIC_FAMILIES, _NIC_LABELS)
     up = GaugeMetricFamily("gpuwatch_node_network_up", "1 if the NIC's operstate is up.",
-                           labels=[*nic_labels, "operstate", "rdma"])
-    port_labels = ["node", "device", "port", "link_layer"]
+                           labels=[*_NIC_LABELS, "operstate", "rdma"])
+    ports = new_families(_PORT_FAMILIES, _PORT_LABELS)
     port_up = GaugeMetricFamily("gpuwatch_node_rdma_port_up", "1 if the RDMA port is ACTIVE.",
-                                labels=[*port_labels, "state"])
-    port_rate = GaugeMetricFamily("gpuwatch_node_rdma_port_rate_bytes", "RDMA port rate in bytes per second.",
-                                  labels=port_labels)
-    port_rx = CounterMetricFamily("gpuwatch_node_rdma_port_receive_bytes", "Bytes received on the RDMA port.",
-                                  labels=port_labels)
-    port_tx = CounterMetricFamily("gpuwatch_node_rdma_port_transmit_bytes", "Bytes sent on the RDMA port.",
-                                  labels=port_labels)
-    c_rx = CounterMetricFamily("gpuwatch_container_network_receive_bytes",
-                               "Bytes received in the network namespace of a container that uses a GPU.",
-                               labels=PROBE_LABELS)
-    c_tx = CounterMetricFamily("gpuwatch_container_network_transmit_bytes",
-                               "Bytes sent from the network namespace of a container that uses a GPU.",
-                               labels=PROBE_LABELS)
-    families: list[Metric] = [rx, tx, speed, up, port_up, port_rate, port_rx, port_tx, c_rx, c_tx]
+                                labels=[*_PORT_LABELS, "state"])
+    containers = new_families(_CONTAINER_NETWORK_FAMILIES, PROBE_LABELS)
+    families: list[Metric] = [*as_metrics(nics), up, port_up, *as_metrics(ports), *as_metrics(containers)]
     if s.signals is None:
         return families
     for nic in s.signals.nics:
         labels = [s.node, nic.device]
-        rx.add_metric(labels, nic.receive_bytes_total)
-        tx.add_metric(labels, nic.transmit_bytes_total)
-        if nic.speed_bytes_per_second is not None:
-            speed.add_metric(labels, nic.speed_bytes_per_second)
+        fill(nics, labels, nic)
         up.add_metric([*labels, nic.operstate, str(nic.rdma).lower()], 1.0 if nic.operstate == "up" else 0.0)
     for port in s.signals.rdma_ports:
         labels = [s.node, port.device, str(port.port), port.link_layer]
         port_up.add_metric([*labels, port.state], 1.0 if port.state == "ACTIVE" else 0.0)
-        if port.rate_bytes_per_second is not None:
-            port_rate.add_metric(labels, port.rate_bytes_per_second)
-        if port.receive_bytes_total is not None:
-            port_rx.add_metric(labels, port.receive_bytes_total)
-        if port.transmit_bytes_total is not None:
-            port_tx.add_metric(labels, port.transmit_bytes_total)
+        fill(ports, labels, port)
     for net in s.signals.container_network:
-        labels = [s.node, *identity_labels(net.identity)]
-        c_rx.add_metric(labels, net.receive_bytes_total)
-        c_tx.add_metric(labels, net.transmit_bytes_total)
+        fill(containers, [s.node, *identity_labels(net.identity)], net)
     return families
 
 
