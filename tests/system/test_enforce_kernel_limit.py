@@ -5,7 +5,6 @@ over-limit allocation in a runc pod on the simulated node is killed before it ha
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.agent.enforcer_factory import ProbeLimitMap
-from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.sim_helpers import private_node
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.system.enforce_lab import identity_of as identity_of  # re-exported: test_enforce_crosscheck imports it here
+from tests.system.enforce_lab import lab_enforcer, ledger_snapshot
+from tests.system.sim_helpers import private_node, sim_container, sim_run_argv
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
 MIB = 1024**2
@@ -41,66 +40,14 @@ def sim(tmp_path: Path, runc_required: str, bcc_required: None) -> Iterator[simn
         yield node
 
 
-def identity_of(c: RunningContainer) -> ContainerIdentity:
-    return ContainerIdentity(
-        runtime="k8s",
-        cgroup_path=c.cgroup_path,
-        container_id=c.id,
-        container_name=c.name,
-        pod_name=c.pod or "",
-        pod_namespace=c.namespace,
-        cgroup_id=c.v2_dir.stat().st_ino,
-    )
-
-
-def ledger_snapshot(sim: simnode.SimNode, c: RunningContainer) -> Snapshot:
-    state = simnode.status(sim)
-    pids = set(c.pids())
-    memory = sum(p.memory_bytes for p in state.processes if p.host_pid in pids)
-    dev = state.devices[0]
-    info = DeviceInfo(
-        0,
-        "GPU-0",
-        "sim",
-        None,
-        dev.memory_total_bytes,
-        dev.memory_used_bytes,
-        dev.memory_total_bytes - dev.memory_used_bytes,
-        simulated=True,
-    )
-    rows = (ContainerUsage(identity_of(c), 0, "GPU-0", memory, 0.0, 0.0),) if pids else ()
-    return Snapshot(timestamp_s=time.monotonic(), node="sim", devices=(info,), containers=rows, simulated=True)
-
-
 def run_pod(lab: ContainerLab, sim: simnode.SimNode, markers: Path, real_driver: bool = False) -> RunningContainer:
-    spec = ContainerSpec(
-        name="grower",
-        namespace="ml",
-        pod="grow-0",
-        argv=[
-            sys.executable,
-            "-m",
-            "gpuwatch",
-            "sim",
-            "run",
-            "--mib-per-step",
-            "128",
-            "--steps",
-            "6",
-            "--interval-s",
-            "0.7",
-            "--hold",
-            "--checkpoint-marker",
-            str(markers / "grow-0"),
-            # exact driver (no context, no carving): the ledger's bytes are the API's, so the kill
-            # and stop cases below measure the limit in the bytes the workload asked for
-            *(() if real_driver else ("--context-mib", "0", "--suballoc-mib", "0")),
-        ],
-        env=simnode.sim_env(sim),
-        extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
-        ro_binds=[str(sim.libraries.lib_dir)],
+    argv = sim_run_argv(
+        mib_per_step=128, steps=6, interval_s=0.7, hold=True, checkpoint_marker=markers / "grow-0",
+        # exact driver (no context, no carving): the ledger's bytes are the API's, so the kill
+        # and stop cases below measure the limit in the bytes the workload asked for
+        context_mib=None if real_driver else 0, suballoc_mib=None if real_driver else 0,
     )
-    return lab.run(spec)
+    return lab.run(sim_container(sim, "grower", argv, binds=[markers], namespace="ml", pod="grow-0"))
 
 
 class LedgerWatch:
@@ -137,25 +84,19 @@ def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path,
         ProbeManager(config) as pm,
         ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
     ):
-        enforcer = Enforcer(
-            tmp_path / "policy.yaml",
-            audit=AuditLog(tmp_path / "audit.jsonl"),
-            frozen_state_path=tmp_path / "frozen.json",
-            own_cgroups=frozenset(),
-            limit_map=ProbeLimitMap(pm, "kill" if kernel_action == "kill" else None),
-        )
+        enforcer = lab_enforcer(tmp_path, limit_map=ProbeLimitMap(pm, "kill" if kernel_action == "kill" else None))
         watch = LedgerWatch(sim)
         try:
             pod = run_pod(lab, sim, markers, real_driver=driver == "real")
             seen = pm.poll_events(0)
-            enforcer.on_snapshot(ledger_snapshot(sim, pod), seen)  # pushes the limit
+            enforcer.on_snapshot(ledger_snapshot(sim, [pod], time.monotonic()), seen)  # pushes the limit
             deadline = time.monotonic() + 15
             decisions = []
             while pod.running() and time.monotonic() < deadline and not decisions:
                 time.sleep(0.1)
                 events = pm.poll_events(0)
                 seen += events
-                decisions = enforcer.on_snapshot(ledger_snapshot(sim, pod), events)
+                decisions = enforcer.on_snapshot(ledger_snapshot(sim, [pod], time.monotonic()), events)
             if kernel_action == "kill":
                 assert pod.wait(5) == 128 + signal.SIGKILL, pod.logs()
                 seen += pm.poll_events(200)
