@@ -49,6 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gpuwatch.core.errors import ReasonError
+from gpuwatch.core.safeio import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
+
 REASONS = (
     "pid_gone",  # the process is gone (its /proc/<pid> could not be opened)
     "missing",  # no such file (or a directory on the way is not one)
@@ -59,10 +62,7 @@ REASONS = (
     "rights",  # the process's rights could not be taken: refused rather than read as root
 )
 
-_SYS_OPENAT2 = 437  # one number on every architecture (the unified syscall table, Linux 5.6)
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159, "riscv64": 159}  # the raw, per-thread syscall
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
 _CAP_VERSION_3 = 0x20080522
 _QUERY = 0xFFFFFFFF  # setfsuid(-1) fails and returns the current fsuid
 # f_type of kernel filesystems whose "regular files" are not data (statfs(2) magic numbers)
@@ -77,14 +77,9 @@ DEFAULT_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
 
-class ContainerFileError(Exception):
+class ContainerFileError(ReasonError):
     """A file inside a container could not be used; `reason` is one of REASONS. The message
     names the path and the problem, never the file's content."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -114,11 +109,7 @@ def parse_rights(status: str) -> FileRights | None:
     return FileRights(uid, gid, groups, caps)
 
 
-# ---- kernel calls (ctypes: the os module has no openat2, setfsuid, capset) --------------------
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+# ---- kernel calls (ctypes: the os module has no setfsuid, capset; openat2 is safeio's) -------
 
 
 class _CapHeader(ctypes.Structure):
@@ -146,17 +137,7 @@ def _libc() -> ctypes.CDLL:
 
 def _openat2(dir_fd: int, path: str, flags: int) -> int:
     """openat2(dir_fd, path, {flags, resolve: IN_ROOT | NO_MAGICLINKS}); OSError on failure."""
-    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    err = errno.EAGAIN
-    for _ in range(3):  # EAGAIN: a rename raced with the lookup; the kernel asks to retry
-        fd = _libc().syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
-                             ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-        if fd >= 0:
-            return int(fd)
-        err = ctypes.get_errno()
-        if err != errno.EAGAIN:
-            break
-    raise OSError(err, os.strerror(err), path)
+    return openat2(dir_fd, path, flags, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
 
 
 def _fs_magic(fd: int) -> int | None:

@@ -47,3 +47,13 @@ class EnforcementError(GpuwatchError):
 
 class UnsafeConfiguration(GpuwatchError):
     """The agent refuses to start with this configuration (e.g. open endpoint, no token)."""
+
+
+class ReasonError(Exception):
+    """A failure counted by kind: `reason` is a short fixed word (a metric label), `detail` says
+    what happened; the message is "reason: detail"."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail

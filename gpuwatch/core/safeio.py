@@ -87,30 +87,42 @@ def read_regular_file(path: str | Path, max_bytes: int, *, follow_symlinks: bool
 
 
 _SYS_OPENAT2 = 437  # the unified syscall table (Linux 5.6), every architecture
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_BENEATH = 0x08
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
 _openat2_works: bool | None = None  # None: not tried yet
+_syscall_libc: ctypes.CDLL | None = None
 
 
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def _openat2_beneath(dir_fd: int, name: str, flags: int) -> int:
-    """openat2(dir_fd, name, {flags, resolve: BENEATH | NO_MAGICLINKS}); OSError on failure."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
+    """openat2(dir_fd, path, {flags, resolve}) (ctypes: the os module has no openat2); OSError
+    on failure. Retried on EAGAIN: a rename raced with the lookup and the kernel asks to retry."""
+    global _syscall_libc
+    if _syscall_libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        _syscall_libc = libc
+    how = _OpenHow(flags, 0, resolve)
     err = errno.EAGAIN
-    for _ in range(3):  # EAGAIN: a rename raced with the lookup; the kernel asks to retry
-        fd = libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(name)),
-                          ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    for _ in range(3):
+        fd = _syscall_libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd),
+                                   ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
+                                   ctypes.c_size_t(ctypes.sizeof(how)))
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()
         if err != errno.EAGAIN:
             break
-    raise OSError(err, os.strerror(err), name)
+    raise OSError(err, os.strerror(err), path)
+
+
+def _openat2_beneath(dir_fd: int, name: str, flags: int) -> int:
+    """openat2(dir_fd, name, {flags, resolve: BENEATH | NO_MAGICLINKS}); OSError on failure."""
+    return openat2(dir_fd, name, flags, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
 
 
 def _outside(name: str, directory: str) -> RefusedFile:

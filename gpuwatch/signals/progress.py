@@ -58,6 +58,7 @@ from gpuwatch.core.annotations import (
     parse_progress_path,
 )
 from gpuwatch.core.containerfile import ContainerFileError, read_container_file
+from gpuwatch.core.errors import ReasonError
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress, ContainerUsage
 
 MAX_PROGRESS_BYTES = 256
@@ -95,13 +96,8 @@ def progress_request_of(identity: ContainerIdentity) -> ProgressRequest | None:
 # ---- reading one file (I/O) -----------------------------------------------------------------
 
 
-class ProgressReadError(Exception):
+class ProgressReadError(ReasonError):
     """A progress file could not be used this time; `reason` is one of ERROR_REASONS."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
