@@ -328,6 +328,11 @@ def is_loopback(address: str) -> bool:
     return bool(mapped.is_loopback if mapped is not None else ip.is_loopback)
 
 
+def http_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class BoundedServer:
     """A WSGI app served by waitress with ServerLimits: `start()`/`stop()` in a daemon thread,
     or `run()` in the foreground. Binding happens in the constructor (OSError if it cannot)."""
@@ -355,8 +360,7 @@ class BoundedServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def loopback(self) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from gpuwatch.core.httpserve import BoundedServer, ServerLimits
+from gpuwatch.core.httpserve import BoundedServer, ServerLimits, http_url
 from gpuwatch.core.model import Snapshot
 from gpuwatch.exporter.exposition import CONTENT_TYPE, render_text
 from gpuwatch.exporter.liveness import LoopHealth
@@ -114,8 +114,7 @@ class ExporterServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.port}"
+        return http_url(self.address, self.port)
 
     @property
     def http(self) -> BoundedServer:
