@@ -23,11 +23,15 @@ Pod name/namespace/container name are not in the path; see metadata.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TypeVar
 
 from gpuwatch.containers.slurm import SlurmPlace, find_slurm
 from gpuwatch.core.model import HOST_IDENTITY, ContainerIdentity
+
+_M = TypeVar("_M")
 
 # Runtime names reported in ContainerIdentity.runtime.
 DOCKER = "docker"
@@ -246,6 +250,16 @@ def normalize_path(path: str) -> str:
     return "/" + "/".join(c for c in path.strip().split("/") if c and c != ".")
 
 
+def _innermost(comps: list[str], match: Callable[[list[str], int], _M | None]) -> tuple[_M | None, int]:
+    """The match nearest the leaf (components scanned from the last) and its index; (None, -1)
+    where no component matches."""
+    for i in range(len(comps) - 1, -1, -1):
+        found = match(comps, i)
+        if found:
+            return found, i
+    return None, -1
+
+
 @lru_cache(maxsize=8192)
 def parse_cgroup_path(path: str) -> ContainerIdentity:
     """Identity from a cgroup path alone: runtime, container id, pod uid and QoS class.
@@ -257,20 +271,8 @@ def parse_cgroup_path(path: str) -> ContainerIdentity:
     if path == "/":
         return HOST_IDENTITY
     comps = split_components(path)
-    container: tuple[str, str, str] | None = None
-    container_at = -1
-    for i in range(len(comps) - 1, -1, -1):
-        container = _match_container(comps, i)
-        if container:
-            container_at = i
-            break
-    pod: tuple[str, str] | None = None
-    pod_at = -1
-    for i in range(len(comps) - 1, -1, -1):
-        pod = _match_pod(comps, i)
-        if pod:
-            pod_at = i
-            break
+    container, container_at = _innermost(comps, _match_container)
+    pod, pod_at = _innermost(comps, _match_pod)
     slurm = find_slurm(comps) if "slurm" in path else None
     if slurm is not None and slurm.job_at > container_at and slurm.job_at > pod_at:
         outer = _outer_container(comps, slurm.job_at)
