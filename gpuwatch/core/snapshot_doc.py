@@ -316,17 +316,27 @@ def _topology_from(data: Any, where: str) -> GpuTopology:
     return _flat_from(GpuTopology, data, where, links=tuple(links))
 
 
+def _each(data: dict[str, Any], name: str, prefix: str = "") -> list[tuple[str, Any]]:
+    """The items of the list `data[name]` with the path each is at ("{prefix}{name}[i]")."""
+    return [(f"{prefix}{name}[{i}]", v) for i, v in enumerate(_expect_list(data.get(name), f"{prefix}{name}"))]
+
+
+def _with_identity(cls: type[T], data: dict[str, Any], name: str, prefix: str = "") -> tuple[T, ...]:
+    """The list `data[name]` as `cls` rows whose `identity` is a nested ContainerIdentity object."""
+    return tuple(_flat_from(cls, v, at, identity=_identity_from(_expect_dict(v, at).get("identity"),
+                                                               f"{at}.identity"))
+                 for at, v in _each(data, name, prefix))
+
+
 def _signals_from(data: Any, where: str) -> NodeSignals:
     """NodeSignals from its document form (nested dataclasses, identities as objects)."""
     data = _expect_dict(data, where)
 
     def each(name: str) -> list[tuple[str, Any]]:
-        return [(f"{where}.{name}[{i}]", v) for i, v in enumerate(_expect_list(data.get(name), f"{where}.{name}"))]
+        return _each(data, name, f"{where}.")
 
     def with_identity(cls: type[T], name: str) -> tuple[T, ...]:
-        return tuple(_flat_from(cls, v, at, identity=_identity_from(_expect_dict(v, at).get("identity"),
-                                                                   f"{at}.identity"))
-                     for at, v in each(name))
+        return _with_identity(cls, data, name, f"{where}.")
 
     topology = data.get("topology")
     return _flat_from(
@@ -371,17 +381,9 @@ def snapshot_from_dict(data: Any) -> Snapshot:
     if "probe_identities" in names:
         special["probe_identities"] = _probe_identities_from(data.get("probe_identities"), "probe_identities")
     if "progress" in names:
-        special["progress"] = tuple(
-            _flat_from(ContainerProgress, p, f"progress[{i}]",
-                       identity=_identity_from(_expect_dict(p, f"progress[{i}]").get("identity"),
-                                               f"progress[{i}].identity"))
-            for i, p in enumerate(items("progress")))
+        special["progress"] = _with_identity(ContainerProgress, data, "progress")
     if "enforcement" in names:
-        special["enforcement"] = tuple(
-            _flat_from(ContainerEnforcement, e, f"enforcement[{i}]",
-                       identity=_identity_from(_expect_dict(e, f"enforcement[{i}]").get("identity"),
-                                               f"enforcement[{i}].identity"))
-            for i, e in enumerate(items("enforcement")))
+        special["enforcement"] = _with_identity(ContainerEnforcement, data, "enforcement")
     return _flat_from(Snapshot, data, "document", **{k: v for k, v in special.items() if k in names})
 
 
