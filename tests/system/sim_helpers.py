@@ -202,6 +202,13 @@ class Workers:
                     stream.close()
 
 
+def in_cgroups(procs_files: Iterable[Path], argv: list[str]) -> list[str]:
+    """`argv` run by a shell that first writes its pid into each cgroup.procs file (and stops if
+    one write fails): the process joins its cgroups before exec, as runtimes do."""
+    moves = " && ".join(f"echo $$ > {f}" for f in procs_files)
+    return ["/bin/sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
+
+
 @contextmanager
 def workers(node: SimNode, driver: dict[str, str] | None = None) -> Iterator[Workers]:
     w = Workers(node, driver)

@@ -19,9 +19,9 @@ import pytest
 
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+from gpuwatch.sim.runc import ContainerLab
 from tests.system.enforce_lab import audit_decisions
-from tests.system.sim_helpers import CONTEXT_BYTES, private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node, sim_container, sim_run_argv
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.slow]
 MIB = 1024**2
@@ -89,29 +89,8 @@ def test_over_limit_container_is_killed_through_the_real_pipeline(sim: simnode.S
         assert agent.stdout is not None
         assert agent.stdout.readline().strip() == "agent-ready"
         with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab:
-            spec = ContainerSpec(
-                name="trainer",
-                namespace="ml",
-                pod="job-0",
-                argv=[
-                    sys.executable,
-                    "-m",
-                    "gpuwatch",
-                    "sim",
-                    "run",
-                    "--mib-per-step",
-                    "256",
-                    "--steps",
-                    "3",
-                    "--interval-s",
-                    "1.0",
-                    "--hold",
-                ],
-                env=simnode.sim_env(sim),
-                extra_binds=[str(sim.state_path.parent), str(sim.root)],
-                ro_binds=[str(sim.libraries.lib_dir)],
-            )
-            container = lab.run(spec)
+            argv = sim_run_argv(mib_per_step=256, steps=3, interval_s=1.0, hold=True)
+            container = lab.run(sim_container(sim, "trainer", argv, namespace="ml", pod="job-0"))
             over_at = None
             deadline = time.monotonic() + 15
             while container.running() and time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import SimNode, engine, status
-from tests.system.sim_helpers import EXACT_DRIVER, GIB, Workers, private_node, workers
+from tests.system.sim_helpers import EXACT_DRIVER, GIB, Workers, in_cgroups, private_node, scratch_cgroup, workers
 
 WINDOW_S = 2.0
 
@@ -141,29 +141,25 @@ def test_a_waiter_stopped_before_its_turn_does_not_block_the_other(tmp_path: Pat
 
 
 def test_a_cgroup_frozen_holder_frees_the_engine(tmp_path: Path, root_required: None) -> None:
-    unified = Path("/sys/fs/cgroup/unified")
-    if not (unified / "cgroup.procs").exists():
-        unified = Path("/sys/fs/cgroup")
-    cgroup = unified / f"gpuwatch-test-contention-{os.getpid()}"
-    cgroup.mkdir()
-    try:
-        # EXACT_DRIVER: see above (contention, not memory)
-        with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node, EXACT_DRIVER) as w:
-            frozen = w.start(argv=["/bin/sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh",
-                                   str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "0.8"])
-            w.wait_line(frozen, "ready")
-            other = start(w, 0, 0.8)
-            time.sleep(0.6)
-            steals = engine(node, 0).steals_total
-            _wait_until_holder(node, frozen.pid)
-            (cgroup / "cgroup.freeze").write_text("1")
-            try:
-                _check_other_gets_the_gpu(node, frozen.pid, other.pid, steals)
-            finally:
-                (cgroup / "cgroup.freeze").write_text("0")
-            w.close()
-    finally:
-        cgroup.rmdir()
+    # EXACT_DRIVER: see above (contention, not memory)
+    with (
+        scratch_cgroup("gpuwatch-test-contention") as cgroup,
+        private_node(tmp_path, devices=1, memory_bytes=GIB) as node,
+        workers(node, EXACT_DRIVER) as w,
+    ):
+        frozen = w.start(argv=in_cgroups([cgroup / "cgroup.procs"], [
+            str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "0.8"]))
+        w.wait_line(frozen, "ready")
+        other = start(w, 0, 0.8)
+        time.sleep(0.6)
+        steals = engine(node, 0).steals_total
+        _wait_until_holder(node, frozen.pid)
+        (cgroup / "cgroup.freeze").write_text("1")
+        try:
+            _check_other_gets_the_gpu(node, frozen.pid, other.pid, steals)
+        finally:
+            (cgroup / "cgroup.freeze").write_text("0")
+        w.close()
 
 
 def test_a_killed_holder_frees_the_engine(tmp_path: Path) -> None:

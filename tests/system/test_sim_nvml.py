@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.sim import status
-from tests.system.sim_helpers import CONTEXT_BYTES, GIB, MIB, private_node, run_nvml, workers
+from tests.system.sim_helpers import (
+    CONTEXT_BYTES,
+    GIB,
+    MIB,
+    in_cgroups,
+    private_node,
+    run_nvml,
+    scratch_cgroup,
+    sim_run_argv,
+    workers,
+)
 
 
 def test_devices_identity_and_static_queries(tmp_path: Path) -> None:
@@ -154,23 +164,7 @@ def _measure_utilisation(node_devices: int, duties: list[float], tmp_path: Path,
         pids = []
         for gpu, duty in enumerate(duties):
             if python:
-                proc = w.start(
-                    argv=[
-                        sys.executable,
-                        "-m",
-                        "gpuwatch",
-                        "sim",
-                        "run",
-                        "--name",
-                        node.name,
-                        "--gpu",
-                        str(gpu),
-                        "--mib-per-step",
-                        "64",
-                        "--duty",
-                        str(duty),
-                    ]
-                )
+                proc = w.start(argv=sim_run_argv(name=node.name, gpu=gpu, mib_per_step=64, duty=duty))
                 w.wait_line(proc, "ready")
             else:
                 proc, _ = w.start_ready("--gpu", str(gpu), "--mib-per-step", "64", "--duty", str(duty))
@@ -276,40 +270,25 @@ print(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
 
 
 def test_cgroup_frozen_process_accrues_no_busy_time(tmp_path: Path, root_required: None) -> None:
-    unified = Path("/sys/fs/cgroup/unified")
-    if not (unified / "cgroup.procs").exists():
-        unified = Path("/sys/fs/cgroup")
-    cgroup = unified / f"gpuwatch-test-freeze-{os.getpid()}"
-    cgroup.mkdir()
-    try:
-        with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
-            # join the cgroup before exec, as runtimes do
-            proc = w.start(
-                argv=[
-                    "/bin/sh",
-                    "-c",
-                    f'echo $$ > {cgroup}/cgroup.procs && exec "$@"',
-                    "sh",
-                    str(node.libraries.worker_path),
-                    "--mib-per-step",
-                    "8",
-                    "--duty",
-                    "1.0",
-                ]
-            )
-            w.wait_line(proc, "ready")
-            code = "print(json.dumps(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(0)).gpu))"
-            time.sleep(1.2)
-            running = run_nvml(node, code)
-            (cgroup / "cgroup.freeze").write_text("1")
-            try:
-                time.sleep(1.3)
-                frozen = run_nvml(node, code)
-            finally:
-                (cgroup / "cgroup.freeze").write_text("0")
-            w.close()
-    finally:
-        cgroup.rmdir()
+    with (
+        scratch_cgroup("gpuwatch-test-freeze") as cgroup,
+        private_node(tmp_path, devices=1, memory_bytes=GIB) as node,
+        workers(node) as w,
+    ):
+        # join the cgroup before exec, as runtimes do
+        proc = w.start(argv=in_cgroups([cgroup / "cgroup.procs"], [
+            str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "1.0"]))
+        w.wait_line(proc, "ready")
+        code = "print(json.dumps(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(0)).gpu))"
+        time.sleep(1.2)
+        running = run_nvml(node, code)
+        (cgroup / "cgroup.freeze").write_text("1")
+        try:
+            time.sleep(1.3)
+            frozen = run_nvml(node, code)
+        finally:
+            (cgroup / "cgroup.freeze").write_text("0")
+        w.close()
     assert running >= 90
     assert frozen == 0
 
