@@ -252,15 +252,8 @@ class Workload:
         self._say(f"progress {self.progress}")
         if self.spec.progress is not None:
             self._say(f"evaluation {self.spec.progress.value(self.work_done_s):.9g} {self.work_done_s:.3f}")
-        path = self.spec.progress_file
-        if path is None:
-            return
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(f"{self.progress} {now:.3f}\n")
-            tmp.replace(path)
-        except OSError as err:
-            self._say(f"warning: cannot write progress file {path}: {err}")
+        if self.spec.progress_file is not None:
+            self._replace_line(self.spec.progress_file, f"{self.progress} {now:.3f}\n", "progress")
 
     def _write_evaluation(self, force: bool = False) -> None:
         """Rewrite the evaluation file: one line, replaced atomically (never seen half written)."""
@@ -271,13 +264,17 @@ class Workload:
         if not force and now - self._last_evaluation < spec.evaluation_interval_s:
             return
         self._last_evaluation = now
-        path = spec.evaluation_file
+        self._replace_line(spec.evaluation_file, f"{spec.progress.value(self.work_done_s):.9g}\n", "evaluation")
+
+    def _replace_line(self, path: Path, line: str, what: str) -> None:
+        """Write `line` to `path` through a temporary file renamed over it (never seen half
+        written); a failure is a warning line, not the end of the workload."""
         tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_text(f"{spec.progress.value(self.work_done_s):.9g}\n")
+            tmp.write_text(line)
             tmp.replace(path)
         except OSError as err:
-            self._say(f"warning: cannot write evaluation file {path}: {err}")
+            self._say(f"warning: cannot write {what} file {path}: {err}")
 
     # -- checkpoint --
     def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
