@@ -360,9 +360,8 @@ class Enforcer:
             if key in suspended:
                 continue
             identity = self._identities.get(key)
-            measured = result.measurements.get(key)
             fair = key in result.effective_limits_bytes
-            limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes if measured else None)
+            limit = result.memory_limit_bytes(key)
             if identity is None or limit is None:
                 continue
             if self.safety.unsafe_reason(identity):
@@ -643,8 +642,8 @@ class Enforcer:
             identity = self._identities.get(key)
             if identity is None:
                 continue
-            memory = result.effective_limits_bytes.get(key, measured.memory_limit_bytes)
-            limits.append(TargetLimits(identity, result.rules_by_target.get(key, ""), memory, measured.gpu_time_limit))
+            limits.append(TargetLimits(identity, result.rules_by_target.get(key, ""), result.memory_limit_bytes(key),
+                                       measured.gpu_time_limit))
         by_path = {i.cgroup_path: i for i in self._identities.values()}
         control = self.actions.control
         paused = tuple(by_path.get(p, ContainerIdentity("unknown", p)) for p in sorted(control.paused()))
@@ -679,7 +678,6 @@ class Enforcer:
         suspended = self.kernel_guard.suspended_keys()
         out = []
         for key, identity in sorted(self._identities.items()):
-            measured = result.measurements.get(key)
             memory = result.memory_status.get(key, ())
             elastic = result.elastic_status.get(key)
             hold = self._holds.get(key)
@@ -699,7 +697,7 @@ class Enforcer:
                 state = "throttled"
             else:
                 state = "running"
-            limit = result.effective_limits_bytes.get(key, measured.memory_limit_bytes if measured else None)
+            limit = result.memory_limit_bytes(key)
             reason = hold.reason if hold is not None and state != "running" else ""
             if self.dry_run and reason:
                 reason = f"dry run, not done: {reason}"

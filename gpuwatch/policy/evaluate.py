@@ -86,6 +86,15 @@ class EvaluationResult:
     memory_status: Mapping[str, tuple[MemoryStatus, ...]] = field(default_factory=dict)
     elastic_status: Mapping[str, ElasticStatus] = field(default_factory=dict)
 
+    def memory_limit_bytes(self, key: str) -> int | None:
+        """The container's effective GPU memory limit, the one every reader uses (kernel limit
+        map, limit metrics, the enforcement view): its fair-share allowance while fair share
+        sets one, else its rule's gpu_memory limit; None when neither applies."""
+        if key in self.effective_limits_bytes:
+            return self.effective_limits_bytes[key]
+        measured = self.measurements.get(key)
+        return measured.memory_limit_bytes if measured is not None else None
+
 
 def _verb(kind: ActionKind) -> Verb:
     return Verb(kind.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gpuwatch.core.model import ContainerIdentity
-from gpuwatch.probes.kernel_events import ProbeEvent
+from gpuwatch.probes.kernel_events import KernelEvent
 from gpuwatch.probes.trace_view import TraceFilter, format_json, format_line, human_bytes
 
 POD = ContainerIdentity(runtime="containerd", cgroup_path="/kubepods/pod1/abc", container_id="abcdef123456",
@@ -14,8 +14,8 @@ HOST = ContainerIdentity(runtime="host", cgroup_path="/")
 
 
 def _ev(type_: str = "alloc", source: str = "cuda", size: int = 3 << 20, value: int = 0x7F00,
-        device: int | None = None) -> ProbeEvent:
-    return ProbeEvent(type=type_, ts_ns=2_500_000_000, cgroup_id=42, tgid=100, tid=101, comm="python",
+        device: int | None = None) -> KernelEvent:
+    return KernelEvent(type=type_, ts_ns=2_500_000_000, cgroup_id=42, tgid=100, tid=101, comm="python",
                       size_bytes=size, value=value, device=device, source=source, kind="")
 
 
