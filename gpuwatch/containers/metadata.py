@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,15 +105,7 @@ def _s(v: Any) -> str:
 def metadata_from_annotations(annotations: Mapping[str, Any], runtime: str, source: str) -> ContainerMetadata:
     """Kubernetes identity from OCI annotations as containerd's CRI plugin or CRI-O write them."""
     a = {k: _s(v) for k, v in annotations.items() if isinstance(k, str)}
-    labels: dict[str, str] = {}
-    raw_labels = a.get("io.kubernetes.cri-o.Labels", "")
-    if raw_labels:
-        try:
-            parsed = json.loads(raw_labels)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            labels = {k: _s(v) for k, v in parsed.items() if isinstance(k, str)}
+    labels = _json_map(a.get("io.kubernetes.cri-o.Labels", ""))
 
     def first(*keys: str) -> str:
         for k in keys:
@@ -155,22 +147,23 @@ def metadata_from_annotations(annotations: Mapping[str, Any], runtime: str, sour
 
 def _json_map(text: str) -> dict[str, str]:
     """A JSON object of strings (other values dropped), {} for anything else."""
-    if not text:
-        return {}
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return {}
-    return {k: _s(v) for k, v in parsed.items() if isinstance(k, str)} if isinstance(parsed, dict) else {}
+    parsed = _json_object(text) if text else None
+    return {k: _s(v) for k, v in parsed.items() if isinstance(k, str)} if parsed is not None else {}
 
 
-def parse_oci_config(text: str, runtime: str, source: str) -> ContainerMetadata | None:
-    """Metadata from an OCI bundle config.json, or None if it is not valid JSON."""
+def _json_object(text: str) -> dict[Any, Any] | None:
+    """The JSON object `text` holds; None if it is not JSON or not an object."""
     try:
         doc = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(doc, dict):
+    return doc if isinstance(doc, dict) else None
+
+
+def parse_oci_config(text: str, runtime: str, source: str) -> ContainerMetadata | None:
+    """Metadata from an OCI bundle config.json, or None if it is not valid JSON."""
+    doc = _json_object(text)
+    if doc is None:
         return None
     ann = doc.get("annotations")
     return metadata_from_annotations(ann if isinstance(ann, dict) else {}, runtime, source)
@@ -178,11 +171,8 @@ def parse_oci_config(text: str, runtime: str, source: str) -> ContainerMetadata 
 
 def parse_docker_config_v2(text: str, source: str) -> ContainerMetadata | None:
     """Metadata from Docker's config.v2.json: Name and the io.kubernetes.* Config.Labels."""
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
+    doc = _json_object(text)
+    if doc is None:
         return None
     cfg = doc.get("Config")
     raw = cfg.get("Labels") if isinstance(cfg, dict) else None
@@ -214,15 +204,14 @@ def parse_docker_config_v2(text: str, source: str) -> ContainerMetadata | None:
 
 def parse_runc_state(text: str) -> str | None:
     """The bundle directory named by runc's state.json, or None."""
-    try:
-        doc = json.loads(text)
-    except ValueError:
+    doc = _json_object(text)
+    if doc is None:
         return None
-    bundle = doc.get("bundle") if isinstance(doc, dict) else None
+    bundle = doc.get("bundle")
     if isinstance(bundle, str) and bundle.startswith("/"):
         return bundle
     # older runc keeps it only in the config labels: "bundle=/path"
-    cfg = doc.get("config") if isinstance(doc, dict) else None
+    cfg = doc.get("config")
     labels = cfg.get("labels") if isinstance(cfg, dict) else None
     if isinstance(labels, list):
         for lab in labels:
@@ -257,30 +246,15 @@ class MetadataLookup:
         return self._runc(container_id) if _SAFE_ID.match(container_id) else None
 
     def _containerd(self, cid: str) -> ContainerMetadata | None:
-        for root in self.roots.containerd_tasks:
-            for ns in _subdirs(root):
-                path = os.path.join(root, ns, cid, "config.json")
-                meta = _oci_file(path, "containerd")
-                if meta is not None:
-                    return meta
-        return None
+        return _first(_oci_file(os.path.join(root, ns, cid, "config.json"), "containerd")
+                      for root in self.roots.containerd_tasks for ns in _subdirs(root))
 
     def _crio(self, cid: str) -> ContainerMetadata | None:
-        for root in self.roots.crio_containers:
-            meta = _oci_file(os.path.join(root, cid, "userdata", "config.json"), "crio")
-            if meta is not None:
-                return meta
-        return None
+        return _first(_oci_file(os.path.join(root, cid, "userdata", "config.json"), "crio")
+                      for root in self.roots.crio_containers)
 
     def _docker(self, cid: str) -> ContainerMetadata | None:
-        for root in self.roots.docker_containers:
-            path = os.path.join(root, cid, "config.v2.json")
-            text = read_text(path)
-            if text is not None:
-                meta = parse_docker_config_v2(text, path)
-                if meta is not None:
-                    return meta
-        return None
+        return _first(_docker_file(os.path.join(root, cid, "config.v2.json")) for root in self.roots.docker_containers)
 
     def _runc(self, cid: str) -> ContainerMetadata | None:
         for root in self.roots.runc_state:
@@ -304,3 +278,13 @@ def _subdirs(root: str) -> list[str]:
 def _oci_file(path: str, runtime: str) -> ContainerMetadata | None:
     text = read_text(path)
     return parse_oci_config(text, runtime, path) if text is not None else None
+
+
+def _docker_file(path: str) -> ContainerMetadata | None:
+    text = read_text(path)
+    return parse_docker_config_v2(text, path) if text is not None else None
+
+
+def _first(found: Iterable[ContainerMetadata | None]) -> ContainerMetadata | None:
+    """The first metadata found; `found` is lazy, so no root past the first hit is read."""
+    return next((meta for meta in found if meta is not None), None)
