@@ -229,13 +229,8 @@ class RunningContainer:
         except subprocess.TimeoutExpired:
             cgroups.kill_all(self.v2_dir)
             self._process.kill()  # runc itself; the container dies with its init
-            try:
-                self._process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired as err:
-                raise SimError(
-                    f"runc for container {self.name} did not exit {2 * timeout_s} s after SIGKILL",
-                    fix=f"inspect /proc/{self._process.pid}/status",
-                ) from err
+            self._wait_killed(timeout_s, f"runc for container {self.name} did not exit {2 * timeout_s} s after SIGKILL",
+                              self._process.pid)
         if (lab.runc_root / self.id).exists():
             result = subprocess.run(
                 [lab.runc, "--root", str(lab.runc_root), "delete", "--force", self.id],
@@ -259,13 +254,16 @@ class RunningContainer:
                     continue
         if self._process.poll() is None:
             self._process.kill()
+        self._wait_killed(timeout_s, f"process {self.host_pid} of {self.name} survived SIGKILL for {timeout_s} s",
+                          self.host_pid)
+
+    def _wait_killed(self, timeout_s: float, failure: str, pid: int) -> None:
+        """Reap our process after a SIGKILL; SimError(`failure`, pointing at pid's status) if it
+        outlives `timeout_s`."""
         try:
             self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as err:
-            raise SimError(
-                f"process {self.host_pid} of {self.name} survived SIGKILL for {timeout_s} s",
-                fix=f"inspect /proc/{self.host_pid}/status",
-            ) from err
+            raise SimError(failure, fix=f"inspect /proc/{pid}/status") from err
 
     def _wait_cgroup_empty(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
