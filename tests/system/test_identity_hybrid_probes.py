@@ -31,7 +31,7 @@ from gpuwatch.enforce.limitmap import NullLimitMap
 from gpuwatch.node.sampler import Sampler
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
-from tests.system.sim_helpers import Workers, cgroup2_root, private_node, workers
+from tests.system.sim_helpers import Workers, cgroup2_root, in_cgroups, private_node, remove_dirs, workers
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 MIB = 1 << 20
@@ -84,20 +84,13 @@ class HybridCgroups:
             self.made.append(path)
 
     def remove(self) -> None:
-        for path in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        remove_dirs(self.made)
 
 
 def start_in(w: Workers, procs_files: list[Path], mib: int) -> int:
-    moves = "; ".join(f"echo $$ > {f}" for f in procs_files)
     argv = [str(w.node.libraries.worker_path), "--gpu", "0", "--mib-per-step", str(mib), "--steps", "2",
             "--lifetime-s", "0"]
-    proc = w.start(argv=["/bin/sh", "-c", f"{moves}; exec {' '.join(argv)}"])
+    proc = w.start(argv=in_cgroups(procs_files, argv))
     Workers.wait_line(proc, "ready")
     return proc.pid
 

@@ -15,8 +15,6 @@ are frozen before comparing, so both sides stand still).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,9 +23,8 @@ import pytest
 
 from gpuwatch.sim import SimNode, status
 from gpuwatch.sim.node import SimStatus
-from tests.system.promstack import free_port
-from tests.system.sim_helpers import Workers, cgroup2_root, private_node, workers
-from tests.system.test_pipeline_containers import Scrape, scrape, wait_for
+from tests.system.sim_helpers import Workers, cgroup2_root, in_cgroups, private_node, remove_dirs, workers
+from tests.system.test_pipeline_containers import Scrape, scrape, sim_agent, wait_for
 
 pytestmark = [pytest.mark.root]
 
@@ -82,19 +79,12 @@ class SlurmTree:
                 self.made.append(parent)
 
     def remove(self) -> None:
-        for path in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        remove_dirs(self.made)
 
 
 def start_in(w: Workers, procs_files: list[Path], *args: str) -> tuple[int, int]:
     """A simworker that moves itself into the given cgroups before it execs; (pid, bytes)."""
-    moves = "; ".join(f"echo $$ > {f}" for f in procs_files)
-    proc = w.start(argv=["/bin/sh", "-c", f"{moves}; exec {w.node.libraries.worker_path} {' '.join(args)}"])
+    proc = w.start(argv=in_cgroups(procs_files, [str(w.node.libraries.worker_path), *args]))
     line = Workers.wait_line(proc, "ready")
     return proc.pid, int(line[2])
 
@@ -108,54 +98,37 @@ def freeze(tree: SlurmTree, state: str) -> None:
 
 def test_slurm_jobs_are_exported_per_job_like_the_ledger(node: SimNode, tmp_path: Path) -> None:
     tree = SlurmTree(f"gwtest{os.getpid()}")
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(node.state_path)}
-    env.pop("LD_LIBRARY_PATH", None)
-    log = tmp_path / "agent.log"
-    argv = [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={NODE}",
-            f"--interval={INTERVAL_S}", f"--nvml-library={node.libraries.nvml_path}", "--no-probes",
-            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}",
-            f"--lock-file={tmp_path / 'agent.lock'}"]
-    with log.open("wb") as out:
-        agent = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def alive_and(predicate: Callable[[Scrape], bool]) -> Callable[[], bool]:
-        def check() -> bool:
-            assert agent.poll() is None, log.read_text()
-            try:
-                return predicate(scrape(port))
-            except OSError:
-                return False
-        return check
-
     try:
-        wait_for(alive_and(lambda m: m.value("gpuwatch_gpu_backend_up", node=NODE) == 1.0), 30,
-                 "the agent to serve metrics with the GPU backend up")
-        with workers(node) as w:
-            try:
-                jobs = start_jobs(w, tree)
-                wait_for(alive_and(lambda m: all(m.value("gpuwatch_pod_memory_bytes", namespace="slurm",
-                                                         pod=f"job-{j}") for j in jobs)),
-                         30, "both jobs in the agent's metrics")
-                # compare what both sides add over one stretch of work between two standstills
-                # (the seconds a process ran before the agent first listed it are not the question)
-                freeze(tree, "FROZEN")
-                time.sleep(SETTLE_S)
-                before = (scrape(port), status(node))
-                freeze(tree, "THAWED")
-                time.sleep(3.0)  # run kernels for a while
-                freeze(tree, "FROZEN")
-                time.sleep(SETTLE_S)
-                compare(before, (scrape(port), status(node)), jobs)
-            finally:
-                freeze(tree, "THAWED")  # a frozen v1 task would not die before the workers' kill
+        with sim_agent(node, tmp_path, NODE, INTERVAL_S) as (agent, port):
+
+            def alive_and(predicate: Callable[[Scrape], bool]) -> Callable[[], bool]:
+                def check() -> bool:
+                    assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+                    try:
+                        return predicate(scrape(port))
+                    except OSError:
+                        return False
+                return check
+
+            with workers(node) as w:
+                try:
+                    jobs = start_jobs(w, tree)
+                    wait_for(alive_and(lambda m: all(m.value("gpuwatch_pod_memory_bytes", namespace="slurm",
+                                                             pod=f"job-{j}") for j in jobs)),
+                             30, "both jobs in the agent's metrics")
+                    # compare what both sides add over one stretch of work between two standstills
+                    # (the seconds a process ran before the agent first listed it are not the question)
+                    freeze(tree, "FROZEN")
+                    time.sleep(SETTLE_S)
+                    before = (scrape(port), status(node))
+                    freeze(tree, "THAWED")
+                    time.sleep(3.0)  # run kernels for a while
+                    freeze(tree, "FROZEN")
+                    time.sleep(SETTLE_S)
+                    compare(before, (scrape(port), status(node)), jobs)
+                finally:
+                    freeze(tree, "THAWED")  # a frozen v1 task would not die before the workers' kill
     finally:
-        agent.terminate()
-        try:
-            agent.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
         tree.remove()
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,10 +36,9 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import SimNode, sim_env, status
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
-from tests.system.promstack import free_port
-from tests.system.sim_helpers import CONTEXT_BYTES, MIB, private_node
-from tests.system.test_pipeline_containers import Scrape, freezer_state, scrape, wait_for
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.system.sim_helpers import CONTEXT_BYTES, MIB, private_node, sim_container
+from tests.system.test_pipeline_containers import Scrape, freezer_state, scrape, sim_agent, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -81,34 +79,9 @@ def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
 @contextmanager
 def running_agent(node: SimNode, lab: ContainerLab, tmp_path: Path) -> Iterator[int]:
     """`gpuwatch agent` on the node (fake NVML by --nvml-library); yields its port."""
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(node.state_path)}
-    env.pop("LD_LIBRARY_PATH", None)
-    log = tmp_path / "agent.log"
-    argv = [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={NODE}",
-            f"--interval={INTERVAL_S}", f"--nvml-library={node.libraries.nvml_path}", "--no-probes",
-            f"--containerd-root={lab.bundle_root}", f"--runc-root={lab.runc_root}",
-            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}",
-            f"--lock-file={tmp_path / 'agent.lock'}"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        def backend_up() -> bool:
-            assert proc.poll() is None, f"agent exited {proc.returncode}:\n{log.read_text()}"
-            try:
-                return scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 1.0
-            except OSError:
-                return False
-
-        wait_for(backend_up, 30, "the agent to serve metrics with the GPU backend up")
+    with sim_agent(node, tmp_path, NODE, INTERVAL_S, f"--containerd-root={lab.bundle_root}",
+                   f"--runc-root={lab.runc_root}") as (_, port):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def worker_argv(node: SimNode, t: Tenant) -> list[str]:
@@ -138,9 +111,7 @@ def start_tenants(node: SimNode, lab: ContainerLab, tenants: list[Tenant], log_d
                 wait_for(lambda out=out: b"ready" in out.read_bytes(), 20, f"host tenant {k} ready")  # type: ignore[misc]
             continue
         script = " & ".join(" ".join(worker_argv(node, t)) for t in members) + " & wait"
-        c = lab.run(ContainerSpec(name=container, argv=["/bin/sh", "-c", script], namespace=namespace, pod=pod,
-                                  env=sim_env(node), extra_binds=[str(node.state_path.parent), str(node.root)],
-                                  ro_binds=[str(node.libraries.lib_dir)]))
+        c = lab.run(sim_container(node, container, ["/bin/sh", "-c", script], namespace=namespace, pod=pod))
         wait_ready(c, len(members), container)
         assert c.running(), c.logs()
         running.containers[container] = c

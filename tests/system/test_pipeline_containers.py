@@ -17,12 +17,11 @@ with known memory and duty. Checked against ground truth, not against our own nu
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +29,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.containers.cgroupfs import discover_mounts
-from gpuwatch.sim import SimNode, down, inject_fault, sim_env, status, up
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from gpuwatch.sim import SimNode, down, inject_fault, status, up
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
 from tests.system.promstack import free_port
-from tests.system.sim_helpers import CONTEXT_BYTES, private_node
+from tests.system.sim_helpers import (
+    CONTEXT_BYTES,
+    private_node,
+    sim_agent_argv,
+    sim_agent_env,
+    sim_container,
+    stop_process,
+)
 
 MIB = 1 << 20
 INTERVAL_S = 0.5
@@ -117,44 +123,42 @@ def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
         yield lab
 
 
-@pytest.fixture
-def agent(node: SimNode, lab: ContainerLab, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+@contextmanager
+def sim_agent(node: SimNode, tmp_path: Path, node_name: str, interval_s: float,
+              *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`gpuwatch agent` on the simulated node (sim_helpers.sim_agent_argv, its output in
+    tmp_path/agent.log): yields it and its port once it serves metrics with the GPU backend up;
+    stopped at the end."""
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPUWATCH_SIM_STATE": str(node.state_path)}
-    env.pop("LD_LIBRARY_PATH", None)  # the agent reaches the fake NVML by --nvml-library alone
     log = tmp_path / "agent.log"
-    argv = [sys.executable, "-m", "gpuwatch", "agent", f"--listen=127.0.0.1:{port}", f"--node={NODE}",
-            f"--interval={INTERVAL_S}", f"--nvml-library={node.libraries.nvml_path}", "--no-probes",
-            f"--containerd-root={lab.bundle_root}", f"--runc-root={lab.runc_root}",
-            f"--state-file={tmp_path / 'frozen.json'}", f"--audit-log={tmp_path / 'audit.jsonl'}",
-            f"--lock-file={tmp_path / 'agent.lock'}"]
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(sim_agent_argv(node, tmp_path, port, node_name, interval_s, *extra),
+                                env=sim_agent_env(node), stdout=out, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:
             assert proc.poll() is None, f"agent exited {proc.returncode}:\n{log.read_text()}"
             try:
-                return scrape(port).value("gpuwatch_gpu_backend_up", node=NODE) == 1.0
+                return scrape(port).value("gpuwatch_gpu_backend_up", node=node_name) == 1.0
             except OSError:
                 return False
 
         wait_for(up, 30, "the agent to serve metrics with the GPU backend up")
         yield proc, port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
+
+
+@pytest.fixture
+def agent(node: SimNode, lab: ContainerLab, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    with sim_agent(node, tmp_path, NODE, INTERVAL_S, f"--containerd-root={lab.bundle_root}",
+                   f"--runc-root={lab.runc_root}") as running:
+        yield running
 
 
 def start(lab: ContainerLab, node: SimNode, w: Workload) -> RunningContainer:
     argv = [str(node.libraries.worker_path), "--gpu", str(w.gpu), "--mib-per-step", str(w.mib),
             "--steps", str(w.steps), "--duty", str(w.duty), "--kernel-ms", "5"]
-    container = lab.run(ContainerSpec(
-        name=w.container, argv=argv, namespace=w.namespace, pod=w.pod, env=sim_env(node),
-        extra_binds=[str(node.state_path.parent), str(node.root)], ro_binds=[str(node.libraries.lib_dir)]))
+    container = lab.run(sim_container(node, w.container, argv, namespace=w.namespace, pod=w.pod))
     wait_for(lambda: "ready" in container.logs() or not container.running(), 15, f"{w.container} ready")
     assert container.running() and "ready" in container.logs(), container.logs()
     return container
