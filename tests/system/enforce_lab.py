@@ -14,18 +14,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.cgroup_ops import detect_roots, process_cpu_seconds
 from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import RunningContainer
+from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.system.sim_helpers import sim_container, sim_run_argv
 
 WORKER = r"""
 import os, signal, sys, time
@@ -240,6 +245,53 @@ def lab_enforcer(tmp_path: Path, policy: Path | None = None, **kwargs: Any) -> E
         frozen_state_path=tmp_path / "frozen.json",
         **kwargs,
     )
+
+
+@contextlib.contextmanager
+def kernel_limit_lab(tmp_path: Path, sim: simnode.SimNode, action: str | None = None,
+                     **probe_options: Any) -> Iterator[tuple[ProbeManager, ContainerLab, Enforcer]]:
+    """The real probes on `sim` (its device nodes and stub libcuda; `probe_options` add to the
+    ProbeConfig), a ContainerLab in `tmp_path`, and a lab_enforcer whose limits go to the
+    probes' kernel map (`action`, when given, is the kernel action for every container). The
+    test closes the enforcer; the lab and the probes are stopped here."""
+    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),),
+                         **probe_options)
+    with (
+        ProbeManager(config) as pm,
+        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
+    ):
+        yield pm, lab, lab_enforcer(tmp_path, limit_map=ProbeLimitMap(pm, action))
+
+
+def run_pod(lab: ContainerLab, sim: simnode.SimNode, markers: Path, real_driver: bool = False) -> RunningContainer:
+    """Pod ml/grow-0: `gpuwatch sim run` growing by 128 MiB every 0.7 s, 6 times, then holding
+    (checkpoint marker markers/grow-0)."""
+    argv = sim_run_argv(
+        mib_per_step=128, steps=6, interval_s=0.7, hold=True, checkpoint_marker=markers / "grow-0",
+        # exact driver (no context, no carving): the ledger's bytes are the API's, so the kill
+        # and stop cases of the kernel-limit tests measure the limit in the bytes the workload asked for
+        context_mib=None if real_driver else 0, suballoc_mib=None if real_driver else 0,
+    )
+    return lab.run(sim_container(sim, "grower", argv, binds=[markers], namespace="ml", pod="grow-0"))
+
+
+class LedgerWatch:
+    """Polls the sim ledger every 2 ms and keeps the peak used memory."""
+
+    def __init__(self, sim: simnode.SimNode) -> None:
+        self.sim, self.peak, self._stop = sim, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, simnode.status(self.sim).devices[0].memory_used_bytes)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(2)
+        return self.peak
+
 
 
 def wait_ready(container: RunningContainer, timeout_s: float = 15.0) -> RunningContainer:

@@ -128,10 +128,11 @@ def sim_run_argv(*args: str, name: str | None = None, **options: object) -> list
 
 
 def sim_container(node: SimNode, name: str, argv: list[str], *, binds: Iterable[Path | str] = (),
-                  **spec: Any) -> ContainerSpec:
-    """A ContainerSpec that runs `argv` on `node`: the sim's environment, its state and root
-    bound read-write (plus `binds`), its libraries read-only; `spec` is the rest (namespace, pod...)."""
-    return ContainerSpec(name=name, argv=argv, env=sim_env(node),
+                  env: dict[str, str] | None = None, **spec: Any) -> ContainerSpec:
+    """A ContainerSpec that runs `argv` on `node`: the sim's environment (`env` over it), its state
+    and root bound read-write (plus `binds`), its libraries read-only; `spec` is the rest
+    (namespace, pod...)."""
+    return ContainerSpec(name=name, argv=argv, env={**sim_env(node), **(env or {})},
                          extra_binds=[str(node.state_path.parent), str(node.root), *map(str, binds)],
                          ro_binds=[str(node.libraries.lib_dir)], **spec)
 

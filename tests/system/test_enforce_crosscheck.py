@@ -28,21 +28,19 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.core.labels import identity_labels
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProcessUsage, Snapshot
 from gpuwatch.core.probe_nvml import compare_probe_nvml
-from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.inkernel_guard import SUSPENDED_METRIC
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.exporter.crosscheck_metrics import DIVERGENCE_METRIC
-from gpuwatch.probes.manager import ProbeConfig, ProbeManager
+from gpuwatch.probes.manager import ProbeManager
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
+from gpuwatch.sim.runc import RunningContainer
 from tests.conftest import need_binary
-from tests.system.sim_helpers import EXACT_DRIVER, private_node
-from tests.system.test_enforce_kernel_limit import LedgerWatch, identity_of, run_pod
+from tests.system.enforce_lab import LedgerWatch, identity_of, kernel_limit_lab, run_pod
+from tests.system.sim_helpers import EXACT_DRIVER, private_node, sim_container
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
 MIB = 1024**2
@@ -152,26 +150,15 @@ def test_leaked_probe_counter_suspends_the_kernel_kill_and_polling_goes_on(sim: 
     script = markers / "leaker.py"
     script.write_text(LEAKER)
     (tmp_path / "policy.yaml").write_text(POLICY)
-    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),),
-                         max_cuda_allocs=2)
-    with (
-        ProbeManager(config) as pm,
-        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
-    ):
-        enforcer = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"),
-                            frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(),
-                            limit_map=ProbeLimitMap(pm))
+    with kernel_limit_lab(tmp_path, sim, max_cuda_allocs=2) as (pm, lab, enforcer):
         registry = CollectorRegistry()
         registry.register(enforcer.metrics_collector())
         try:
-            pod = lab.run(ContainerSpec(
-                name="leaker", namespace="ml", pod="leak-0",
-                argv=[sys.executable, str(script), str(sim.libraries.cuda_path), str(markers)],
+            pod = lab.run(sim_container(
+                sim, "leaker", [sys.executable, str(script), str(sim.libraries.cuda_path), str(markers)],
                 # exact driver: the leak is in the libcuda counter (cuMemAlloc bytes); a 518 MiB context
                 # would be over the 300 MiB limit in NVML alone and hide the leak under the RM counter
-                env={**simnode.sim_env(sim), **EXACT_DRIVER},
-                extra_binds=[str(sim.state_path.parent), str(sim.root), str(markers)],
-                ro_binds=[str(sim.libraries.lib_dir)]))
+                env=EXACT_DRIVER, binds=[markers], namespace="ml", pod="leak-0"))
             identity = identity_of(pod)
             assert identity.cgroup_id is not None
             wait_for(markers / "freed", pod)
@@ -231,14 +218,7 @@ def test_kernel_kill_still_holds_the_limit_where_probes_and_nvml_agree(sim: simn
     markers = tmp_path / "markers"
     markers.mkdir()
     (tmp_path / "policy.yaml").write_text(POLICY)
-    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),))
-    with (
-        ProbeManager(config) as pm,
-        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
-    ):
-        enforcer = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"),
-                            frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(),
-                            limit_map=ProbeLimitMap(pm))
+    with kernel_limit_lab(tmp_path, sim) as (pm, lab, enforcer):
         watch = LedgerWatch(sim)
         try:
             pod = run_pod(lab, sim, markers)  # 128 MiB steps: the 3rd is over 300 MiB

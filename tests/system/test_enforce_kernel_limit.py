@@ -5,21 +5,16 @@ over-limit allocation in a runc pod on the simulated node is killed before it ha
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.enforce.audit import read_audit
-from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, RunningContainer
-from tests.system.enforce_lab import identity_of as identity_of  # re-exported: test_enforce_crosscheck imports it here
-from tests.system.enforce_lab import lab_enforcer, ledger_snapshot
-from tests.system.sim_helpers import private_node, sim_container, sim_run_argv
+from tests.system.enforce_lab import LedgerWatch, kernel_limit_lab, ledger_snapshot, run_pod
+from tests.system.sim_helpers import private_node
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf]
 MIB = 1024**2
@@ -40,34 +35,6 @@ def sim(tmp_path: Path, runc_required: str, bcc_required: None) -> Iterator[simn
         yield node
 
 
-def run_pod(lab: ContainerLab, sim: simnode.SimNode, markers: Path, real_driver: bool = False) -> RunningContainer:
-    argv = sim_run_argv(
-        mib_per_step=128, steps=6, interval_s=0.7, hold=True, checkpoint_marker=markers / "grow-0",
-        # exact driver (no context, no carving): the ledger's bytes are the API's, so the kill
-        # and stop cases below measure the limit in the bytes the workload asked for
-        context_mib=None if real_driver else 0, suballoc_mib=None if real_driver else 0,
-    )
-    return lab.run(sim_container(sim, "grower", argv, binds=[markers], namespace="ml", pod="grow-0"))
-
-
-class LedgerWatch:
-    """Polls the sim ledger every 2 ms and keeps the peak used memory."""
-
-    def __init__(self, sim: simnode.SimNode) -> None:
-        self.sim, self.peak, self._stop = sim, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, simnode.status(self.sim).devices[0].memory_used_bytes)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(2)
-        return self.peak
-
-
 @pytest.mark.parametrize(("kernel_action", "driver"), [("kill", "exact"), ("stop", "exact"), ("kill", "real")])
 def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path, kernel_action: str,
                                            driver: str) -> None:
@@ -79,12 +46,7 @@ def test_enforcer_limit_reaches_the_kernel(sim: simnode.SimNode, tmp_path: Path,
     markers.mkdir()
     limit_mib = LIMIT_MIB + (simnode.DEFAULT_CONTEXT_MIB if driver == "real" else 0)
     (tmp_path / "policy.yaml").write_text(POLICY.format(limit_mib=limit_mib))
-    config = ProbeConfig(device_prefix=str(sim.dev_dir / "nvidia"), libcuda_paths=(str(sim.libraries.cuda_path),))
-    with (
-        ProbeManager(config) as pm,
-        ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
-    ):
-        enforcer = lab_enforcer(tmp_path, limit_map=ProbeLimitMap(pm, "kill" if kernel_action == "kill" else None))
+    with kernel_limit_lab(tmp_path, sim, "kill" if kernel_action == "kill" else None) as (pm, lab, enforcer):
         watch = LedgerWatch(sim)
         try:
             pod = run_pod(lab, sim, markers, real_driver=driver == "real")
