@@ -113,6 +113,31 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20) -> None:
         proc.wait()
 
 
+@contextmanager
+def gpuwatch_trace(*args: str, cwd: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`python -m gpuwatch trace` with `args`, once its banner says the probes are attached;
+    killed if it still runs at the end (end_trace stops it the orderly way)."""
+    trace = subprocess.Popen([sys.executable, "-m", "gpuwatch", "trace", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=cwd)
+    try:
+        assert trace.stderr is not None
+        banner = trace.stderr.readline()
+        assert "probes attached" in banner, banner
+        yield trace
+    finally:
+        if trace.poll() is None:
+            trace.kill()
+            trace.wait()
+
+
+def end_trace(trace: subprocess.Popen[str]) -> str:
+    """SIGTERM to a gpuwatch_trace: it must exit 0; what it printed."""
+    trace.send_signal(signal.SIGTERM)
+    out, err = trace.communicate(timeout=30)
+    assert trace.returncode == 0, err
+    return out
+
+
 def sim_run_argv(*args: str, name: str | None = None, **options: object) -> list[str]:
     """`python -m gpuwatch sim run` (on the node called `name`, else the one GPUWATCH_SIM_STATE
     names): each keyword is its option with "_" as "-" (True: a bare flag; False/None: left out;

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from gpuwatch.core.model import ProbeCounters
 from gpuwatch.probes import bpfsys
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from tests.conftest import need_bcc
-from tests.system.sim_helpers import cgroup2_root
+from tests.system.sim_helpers import cgroup2_root, end_trace, gpuwatch_trace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -124,18 +125,23 @@ def build_lab_binaries(work: Path) -> tuple[Path, Path]:
     return exe, lib
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    need_bcc()
-    work = tmp_path_factory.mktemp("probes")
-    exe, lib = build_lab_binaries(work)
-    dev = work / "dev"
+def make_device_nodes(dev: Path, names: tuple[str, ...]) -> None:
+    """Stand-in NVIDIA device nodes: char devices 1:3 (/dev/null's) under the given names."""
     dev.mkdir()
-    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+    for name in names:
         os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))
-    base = cgroup2_root() / f"gpuwatch-probes-test-{os.getpid()}"
+
+
+@contextmanager
+def probe_lab(work: Path, name: str, devices: tuple[str, ...]) -> Iterator[Lab]:
+    """The C workload and fake libcuda built in `work`, the device nodes in work/dev, a cgroup
+    gpuwatch-<name>-test-<pid> for the workloads; all cleaned up at the end."""
+    need_bcc()
+    exe, lib = build_lab_binaries(work)
+    make_device_nodes(work / "dev", devices)
+    base = cgroup2_root() / f"gpuwatch-{name}-test-{os.getpid()}"
     base.mkdir()
-    lab = Lab(root=work, prefix=str(dev / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
+    lab = Lab(root=work, prefix=str(work / "dev" / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
     try:
         yield lab
     finally:
@@ -143,17 +149,20 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 
 @pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    devices = ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm")
+    with probe_lab(tmp_path_factory.mktemp("probes"), "probes", devices) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
 def manager(lab: Lab) -> Iterator[ProbeManager]:
     # scan_all_processes=False: attach only to libraries of GPU processes on our device nodes,
     # never into other processes that happen to map a libcuda on this machine
-    pm = ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),),
+    with ProbeManager(ProbeConfig(device_prefix=lab.prefix, libcuda_paths=(str(lab.lib),),
                                   launch_uprobes=True, max_rm_allocs=RM_BOUND, sweep_interval_s=0.0,
-                                  scan_all_processes=False))
-    pm.start()
-    try:
+                                  scan_all_processes=False)) as pm:
         yield pm
-    finally:
-        pm.stop()
 
 
 def counters_for(pm: ProbeManager, cgroup_id: int) -> ProbeCounters:
@@ -409,25 +418,13 @@ def test_a_killed_process_holding_probes_leaves_nothing_attached_and_its_rss_is_
 
 def test_trace_streams_per_container_events_as_json(lab: Lab) -> None:
     cg, cg_id = lab.cgroup("trace")
-    cmd = [sys.executable, "-m", "gpuwatch", "trace", "--json", "--device-prefix", lab.prefix,
-           "--libcuda", str(lab.lib)]
-    trace = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        assert trace.stderr is not None
-        banner = trace.stderr.readline()
-        assert "probes attached" in banner, banner + trace.stderr.read()
+    with gpuwatch_trace("--json", "--device-prefix", lab.prefix, "--libcuda", str(lab.lib), cwd=REPO) as trace:
         w = lab.spawn(cg, "open", "ctl", "open", "0", "rmalloc", "1", "7", "100", "0x40", str(MiB), "21",
                       "rmfree", "1", "7", "100", "00", "dlopen", str(lab.lib), "cualloc", "1000", "2",
                       "cufree", "1", "cualloc", str(2 << 40), "1")
         assert w.finish() == 0
         time.sleep(1.0)  # the trace loop polls every 200 ms
-        trace.send_signal(signal.SIGTERM)
-        out, err = trace.communicate(timeout=30)
-        assert trace.returncode == 0, err
-    finally:
-        if trace.poll() is None:
-            trace.kill()
-            trace.wait()
+        out = end_trace(trace)
     mine = [json.loads(line) for line in out.splitlines() if json.loads(line)["pid"] == w.pid]
     assert [(e["event"], e["source"], e["size_bytes"]) for e in mine] == [
         ("new_gpu_process", None, 0),

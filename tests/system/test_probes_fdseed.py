@@ -11,35 +11,20 @@ what is counted after start comes from the kernel programs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
-from tests.conftest import need_bcc
-from tests.system.sim_helpers import cgroup2_root
-from tests.system.test_probes import Lab, build_lab_binaries, counters_for, wait_for
+from tests.system.test_probes import Lab, counters_for, probe_lab, wait_for
 
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    need_bcc()
-    work = tmp_path_factory.mktemp("fdseed")
-    exe, lib = build_lab_binaries(work)
-    dev = work / "dev"
-    dev.mkdir()
-    for name in ("nvidiactl", "nvidia0", "nvidia1"):
-        os.mknod(dev / name, 0o666 | 0o020000, os.makedev(1, 3))
-    base = cgroup2_root() / f"gpuwatch-fdseed-test-{os.getpid()}"
-    base.mkdir()
-    lab = Lab(root=work, prefix=str(dev / "nvidia"), workload=exe, lib=lib, cgroup_base=base)
-    try:
+    with probe_lab(tmp_path_factory.mktemp("fdseed"), "fdseed", ("nvidiactl", "nvidia0", "nvidia1")) as lab:
         yield lab
-    finally:
-        lab.cleanup()
 
 
 def started(lab: Lab, **overrides: object) -> ProbeManager:

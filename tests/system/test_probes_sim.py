@@ -24,7 +24,14 @@ from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.conftest import need_bcc
-from tests.system.sim_helpers import CONTEXT_BYTES, CONTEXT_MEMORY_OBJECTS, context_objects
+from tests.system.sim_helpers import (
+    CONTEXT_BYTES,
+    CONTEXT_MEMORY_OBJECTS,
+    context_objects,
+    end_trace,
+    gpuwatch_trace,
+    sim_container,
+)
 
 MiB = 1 << 20
 
@@ -42,12 +49,9 @@ def sim(tmp_path: Path, runc_required: str) -> Iterator[simnode.SimNode]:
 
 
 def _worker(sim: simnode.SimNode, pod: str, gpu: int, mib: int, steps: int) -> ContainerSpec:
-    return ContainerSpec(
-        name="worker", namespace="probe-test", pod=pod, runtime="k8s",
-        argv=[str(sim.libraries.worker_path), "--gpu", str(gpu), "--mib-per-step", str(mib),
-              "--steps", str(steps), "--lifetime-s", "0"],
-        env=simnode.sim_env(sim), extra_binds=[str(sim.state_path.parent), str(sim.root)],
-        ro_binds=[str(sim.libraries.lib_dir)])
+    argv = [str(sim.libraries.worker_path), "--gpu", str(gpu), "--mib-per-step", str(mib), "--steps", str(steps),
+            "--lifetime-s", "0"]
+    return sim_container(sim, "worker", argv, namespace="probe-test", pod=pod, runtime="k8s")
 
 
 def _wait_ready(container: RunningContainer, timeout_s: float = 20.0) -> None:
@@ -112,33 +116,21 @@ def test_sim_pods_are_attributed_like_the_sim_ledger(sim: simnode.SimNode, tmp_p
 
 def test_trace_filters_one_pod_of_the_sim_node(sim: simnode.SimNode, tmp_path: Path) -> None:
     import json
-    import signal
-    import subprocess
-    import sys
 
     namespace = f"trace-{uuid.uuid4().hex[:8]}"
     # the default containerd bundle root: where `gpuwatch trace` (no options) finds pod names
-    with ContainerLab(tmp_path / "work", docker_root=tmp_path / "docker", runc_root=tmp_path / "runc") as lab:
-        trace = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch", "trace", "--json", "--namespace", namespace, "--pod", "pod-b",
-             "--device-prefix", str(sim.dev_dir / "nvidia"), "--libcuda", str(sim.libraries.cuda_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert trace.stderr is not None
-            assert "probes attached" in trace.stderr.readline()
-            a = lab.run(dataclasses.replace(_worker(sim, "pod-a", gpu=0, mib=16, steps=2), namespace=namespace))
-            b = lab.run(dataclasses.replace(_worker(sim, "pod-b", gpu=1, mib=8, steps=3), namespace=namespace))
-            _wait_ready(a)
-            _wait_ready(b)
-            b.stop()
-            time.sleep(1.0)
-            trace.send_signal(signal.SIGTERM)
-            out, err = trace.communicate(timeout=30)
-            assert trace.returncode == 0, err
-        finally:
-            if trace.poll() is None:
-                trace.kill()
-                trace.wait()
+    with (
+        ContainerLab(tmp_path / "work", docker_root=tmp_path / "docker", runc_root=tmp_path / "runc") as lab,
+        gpuwatch_trace("--json", "--namespace", namespace, "--pod", "pod-b", "--device-prefix",
+                       str(sim.dev_dir / "nvidia"), "--libcuda", str(sim.libraries.cuda_path)) as trace,
+    ):
+        a = lab.run(dataclasses.replace(_worker(sim, "pod-a", gpu=0, mib=16, steps=2), namespace=namespace))
+        b = lab.run(dataclasses.replace(_worker(sim, "pod-b", gpu=1, mib=8, steps=3), namespace=namespace))
+        _wait_ready(a)
+        _wait_ready(b)
+        b.stop()
+        time.sleep(1.0)
+        out = end_trace(trace)
     events = [json.loads(line) for line in out.splitlines()]
     assert {(e["container"]["namespace"], e["container"]["pod"]) for e in events} == {(namespace, "pod-b")}
     kinds = [e["event"] for e in events]

@@ -36,13 +36,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
 
 @pytest.fixture(scope="module")
 def manager(node: SimNode) -> Iterator[ProbeManager]:
-    pm = ProbeManager(ProbeConfig(device_prefix=str(node.dev_dir / "nvidia"), alloc_uprobes=False,
-                                  scan_all_processes=False))
-    pm.start()
-    try:
+    with ProbeManager(ProbeConfig(device_prefix=str(node.dev_dir / "nvidia"), alloc_uprobes=False,
+                                  scan_all_processes=False)) as pm:
         yield pm
-    finally:
-        pm.stop()
 
 
 class Program:

@@ -47,13 +47,9 @@ def replay_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def manager(replay_root: Path) -> Iterator[ProbeManager]:
-    pm = ProbeManager(ProbeConfig(device_prefix=str(replay_root / "dev" / "nvidia"), alloc_uprobes=False,
-                                  scan_all_processes=False))
-    pm.start()
-    try:
+    with ProbeManager(ProbeConfig(device_prefix=str(replay_root / "dev" / "nvidia"), alloc_uprobes=False,
+                                  scan_all_processes=False)) as pm:
         yield pm
-    finally:
-        pm.stop()
 
 
 def _record(tmp_path: Path, programs: Programs, **mode: object) -> Path:  # noqa: F811

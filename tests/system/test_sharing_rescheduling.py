@@ -27,7 +27,7 @@ from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from gpuwatch.tui.render import plain_table
 from tests.system.sharing_lab import InProcessAgent
-from tests.system.sim_helpers import CONTEXT_BYTES, private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, private_node, sim_container, sim_run_argv
 
 pytestmark = [pytest.mark.root, pytest.mark.runc, pytest.mark.bpf, pytest.mark.slow]
 GIB = 1 << 30
@@ -45,12 +45,9 @@ rules:
 
 
 def spec(sim: simnode.SimNode, name: str) -> ContainerSpec:
-    argv = [sys.executable, "-m", "gpuwatch", "sim", "run", "--name", sim.name, "--gpu", "0", "--mib-per-step",
-            "1024", "--steps", "2", "--interval-s", "0.5", "--hold", "--duty", "1", "--kernel-ms", "10",
-            "--work-s", "3"]
-    return ContainerSpec(name=name, namespace=NS, pod=name, argv=["/bin/sh", "-c", 'sleep 1 && exec "$@"', name, *argv],
-                         env=simnode.sim_env(sim), extra_binds=[str(sim.state_path.parent), str(sim.root)],
-                         ro_binds=[str(sim.libraries.lib_dir)])
+    argv = sim_run_argv(name=sim.name, gpu=0, mib_per_step=1024, steps=2, interval_s=0.5, hold=True, duty=1,
+                        kernel_ms=10, work_s=3)
+    return sim_container(sim, name, ["/bin/sh", "-c", 'sleep 1 && exec "$@"', name, *argv], namespace=NS, pod=name)
 
 
 def test_oversubscribed_gpu_waits_instead_of_oom_and_every_job_resumes(

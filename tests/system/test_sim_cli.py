@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 from gpuwatch.sim import status
-from tests.system.sim_helpers import CONTEXT_BYTES, GIB, MIB, private_node, workers
+from tests.system.sim_helpers import CONTEXT_BYTES, GIB, MIB, private_node, sim_run_argv, workers
 
 
 def _run_argv(node_name: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "gpuwatch", "sim", "run", "--name", node_name, *args]
+    return sim_run_argv(*args, name=node_name)
 
 
 def test_help_explains_the_simulation() -> None:

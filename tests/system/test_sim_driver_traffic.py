@@ -31,7 +31,7 @@ import pytest
 from gpuwatch.sim import SimNode, sim_env, status
 from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, driver_env
 from tests.conftest import need_binary, need_root
-from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml
+from tests.system.sim_helpers import GIB, MIB, private_node, run_nvml, sim_run_argv
 
 KIB = 1024
 RM_ALLOC_NVOS64 = 0xC030462B
@@ -361,9 +361,8 @@ def test_device_instances_are_numbered_differently_from_minors(tmp_path: Path) -
 
 def test_sim_run_passes_the_driver_options_to_the_stub(two_gpus: SimNode, tmp_path: Path) -> None:
     node = two_gpus
-    argv = [sys.executable, "-m", "gpuwatch", "sim", "run", "--name", node.name, "--gpu", "1",
-            "--mib-per-step", "1", "--steps", "3", "--interval-s", "0", "--alloc-path", "vid-heap",
-            "--suballoc-mib", "8", "--context-mib", "3"]
+    argv = sim_run_argv(name=node.name, gpu=1, mib_per_step=1, steps=3, interval_s=0, alloc_path="vid-heap",
+                        suballoc_mib=8, context_mib=3)
     runs = {"cuMemAlloc": argv, "managed": [*argv, "--managed"]}
     for what, cmd in runs.items():
         proc = subprocess.Popen(cmd, env=sim_env(node, dict(os.environ)), stdout=subprocess.PIPE,
@@ -435,6 +434,30 @@ def bcc_module(bcc_required: None) -> Any:
     return bcc
 
 
+@contextmanager
+def ioctl_trace(bcc: Any, pid: int, events: list[tuple[int, bytes, bytes]]) -> Iterator[Any]:
+    """BPF_TEXT for the process `pid`: each ioctl it makes appended to `events` as (request word,
+    parameter block at entry, the driver's answer); unloaded at the end."""
+    bpf = bcc.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={pid}"])
+    try:
+
+        def on_event(cpu: int, data: Any, size: int) -> None:
+            raw = ctypes.string_at(data, size)
+            events.append((struct.unpack_from("<I", raw, 0)[0], raw[8:200], raw[200:264]))
+
+        bpf[b"events"].open_perf_buffer(on_event)
+        yield bpf
+    finally:
+        bpf.cleanup()
+
+
+def poll_until_seen(bpf: Any, events: list[tuple[int, bytes, bytes]], word: int, timeout_s: float = 3) -> None:
+    """Read the perf buffer until an event with request `word` is in `events` (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(c == word for c, _, _ in events):
+        bpf.perf_buffer_poll(timeout=100)
+
+
 def test_tracepoint_reads_id_info_vid_heap_and_client_free(two_gpus: SimNode, tmp_path: Path, bcc_module: Any) -> None:
     """The parameter blocks as the kernel sees them at syscall entry (the sim's driver
     answers before the call, so its answers are there too)."""
@@ -444,24 +467,13 @@ def test_tracepoint_reads_id_info_vid_heap_and_client_free(two_gpus: SimNode, tm
     # no context memory: the test reads the device objects and two allocations by position,
     # and the default context's 17 memory objects would only sit between them
     with driven(node, tmp_path, alloc_path="vid-heap", ctx_teardown="free-client", context_mib=0) as prog:
-        bpf = bcc.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={prog.pid}"])
-        try:
-
-            def on_event(cpu: int, data: Any, size: int) -> None:
-                raw = ctypes.string_at(data, size)
-                events.append((struct.unpack_from("<I", raw, 0)[0], raw[8:200], raw[200:264]))
-
-            bpf[b"events"].open_perf_buffer(on_event)
+        with ioctl_trace(bcc, prog.pid, events) as bpf:
             prog.ok("ctx", 1)  # cuInit ran before the probe: CARD_INFO is checked on a re-open below
             ptr = prog.alloc(5 * MIB)
             prog.ok("free", ptr)
             prog.alloc(3 * MIB)
             prog.ok("destroy", 1)
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and not any(c == RM_FREE_NVOS00 for c, _, _ in events):
-                bpf.perf_buffer_poll(timeout=100)
-        finally:
-            bpf.cleanup()
+            poll_until_seen(bpf, events, RM_FREE_NVOS00)
         prog.finish()
     words = [c for c, _, _ in events]
     assert words == [RM_ALLOC_NVOS64, RM_CONTROL_NVOS54, RM_ALLOC_NVOS64, RM_ALLOC_NVOS64, RM_ALLOC_NVOS64,
@@ -501,22 +513,11 @@ def test_card_info_lists_every_gpu_with_its_minor(two_gpus: SimNode, tmp_path: P
     node = two_gpus
     events: list[tuple[int, bytes, bytes]] = []
     with driven(node, tmp_path, ctx_teardown="close-fd") as prog:
-        bpf = bcc.BPF(text=BPF_TEXT.encode(), cflags=[f"-DTARGET_TGID={prog.pid}"])
-        try:
-
-            def on_event(cpu: int, data: Any, size: int) -> None:
-                raw = ctypes.string_at(data, size)
-                events.append((struct.unpack_from("<I", raw, 0)[0], raw[8:200], raw[200:264]))
-
-            bpf[b"events"].open_perf_buffer(on_event)
+        with ioctl_trace(bcc, prog.pid, events) as bpf:
             prog.ok("ctx", 0)
             prog.ok("destroy", 0)  # closes nvidiactl ...
             prog.ok("ctx", 0)  # ... so the next context opens it again and asks CARD_INFO first
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and not any(c == CARD_INFO_32 for c, _, _ in events):
-                bpf.perf_buffer_poll(timeout=100)
-        finally:
-            bpf.cleanup()
+            poll_until_seen(bpf, events, CARD_INFO_32)
         prog.finish()
         devices = status(node).devices
     card = next(args for c, args, _ in events if c == CARD_INFO_32)

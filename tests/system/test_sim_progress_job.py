@@ -7,19 +7,18 @@ Alone, 1 GPU-second of work at duty 1.0 takes ~1 s; two such jobs on one GPU tak
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 from pathlib import Path
 
-from tests.system.sim_helpers import GIB, Workers, private_node, workers
+from tests.system.sim_helpers import GIB, Workers, private_node, sim_run_argv, workers
 
 
 class Job:
     """A `gpuwatch sim run` job whose output lines are timestamped as they arrive."""
 
     def __init__(self, w: Workers, *args: str) -> None:
-        self.proc = w.start(argv=[sys.executable, "-m", "gpuwatch", "sim", "run", "--name", w.node.name, *args])
+        self.proc = w.start(argv=sim_run_argv(*args, name=w.node.name))
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -8,7 +8,6 @@ stopped container's memory must be reclaimed.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import node as simnode
-from gpuwatch.sim.runc import ContainerLab, ContainerSpec
-from tests.system.sim_helpers import CONTEXT_BYTES
+from gpuwatch.sim.runc import ContainerLab
+from tests.system.sim_helpers import CONTEXT_BYTES, sim_container, sim_run_argv
 
 MIB = 1024**2
 
@@ -46,13 +45,7 @@ def _wait_for(predicate: object, timeout_s: float) -> None:
 def test_contained_workload_is_seen_with_its_host_pid(sim: simnode.SimNode, tmp_path: Path) -> None:
     lab = ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
     with lab:
-        spec = ContainerSpec(
-            name="trainer", namespace="ml", pod="job-0",
-            argv=[sys.executable, "-m", "gpuwatch", "sim", "run", "--mib-per-step", "256", "--steps", "1"],
-            env=simnode.sim_env(sim),
-            extra_binds=[str(sim.state_path.parent), str(sim.root)],
-            ro_binds=[str(sim.libraries.lib_dir)],
-        )
+        spec = sim_container(sim, "trainer", sim_run_argv(mib_per_step=256, steps=1), namespace="ml", pod="job-0")
         container = lab.run(spec)
         _wait_for(lambda: "ready" in container.logs() or not container.running(), timeout_s=8)
         assert container.running(), container.logs()
