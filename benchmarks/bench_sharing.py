@@ -200,7 +200,8 @@ class Pipeline:
 
     def use_policy(self, name: str, text: str) -> None:
         from gpuwatch.agent.enforcer_factory import CgroupNodeContainers, build_enforcer
-        from gpuwatch.enforce.limitmap import NullDeviceGate
+        from gpuwatch.enforce.enforcer import EnforcerConfig
+        from gpuwatch.enforce.kernel_limits import NullDeviceGate
 
         path = self.work / f"policy-{name}.yaml"
         path.write_text(text)
@@ -208,11 +209,11 @@ class Pipeline:
             if self.enforcer is not None:
                 self.enforcer.close()
             self.probes.poll_events(0)  # events of the previous run are not this one's
+            settings = EnforcerConfig(frozen_state_path=self.work / "frozen.json", recover=False,
+                                      lock_path=self.work / "agent.lock")
             self.enforcer = build_enforcer(
-                policy_path=path, audit_log=self.work / f"audit-{name}.jsonl", probes=self.probes,
-                frozen_state_path=self.work / "frozen.json", device_gate=NullDeviceGate(),
-                node_containers=CgroupNodeContainers(bundle_roots=self.roots, subtrees=("/kubepods",)), recover=False,
-                lock_path=self.work / "agent.lock")
+                path, self.work / f"audit-{name}.jsonl", settings, probes=self.probes, device_gate=NullDeviceGate(),
+                node_containers=CgroupNodeContainers(bundle_roots=self.roots, subtrees=("/kubepods",)))
 
     def close(self) -> None:
         self._stop.set()

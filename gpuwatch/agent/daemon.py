@@ -200,15 +200,15 @@ def _start_enforcer(config: AgentConfig, stack: ExitStack, registry: Any, probes
         log.info("no --policy: enforcement is off (metrics only)")
         return None
     from gpuwatch.agent.enforcer_factory import build_enforcer
+    from gpuwatch.enforce.enforcer import EnforcerConfig
 
     while not policy_load.wait(0.1):  # a large policy parses in a worker: SIGTERM is still heard
         if stop.is_set():
             return None
     policy_load.result()  # PolicyError: refuse to start with a broken policy
-    enforcer = build_enforcer(policy_path=config.policy_path, audit_log=config.audit_log,
-                              dry_run=config.dry_run, probes=probes,
-                              frozen_state_path=config.frozen_state_path, initial_policy=policy_load,
-                              recover=False, lock_path=config.lock_path)
+    settings = EnforcerConfig(dry_run=config.dry_run, frozen_state_path=config.frozen_state_path, recover=False,
+                              lock_path=config.lock_path)
+    enforcer = build_enforcer(config.policy_path, config.audit_log, settings, probes=probes, initial_policy=policy_load)
     stack.callback(enforcer.close)
     registry.register(enforcer.metrics_collector())
     log.info("enforcer on: policy %s%s, audit log %s", config.policy_path,

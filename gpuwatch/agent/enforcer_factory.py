@@ -9,31 +9,12 @@ from typing import Any
 from gpuwatch.core.errors import ProbesUnavailable
 from gpuwatch.core.model import ContainerIdentity
 from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.freeze.frozen_state import DEFAULT_STATE_PATH
-from gpuwatch.enforce.kernel_limits import KernelLimitTable, KernelProbes
-from gpuwatch.enforce.limitmap import DeviceGate, LimitMap, NullDeviceGate
+from gpuwatch.enforce.enforcer import Enforcer, EnforcerConfig, EnforcerHooks
+from gpuwatch.enforce.kernel_limits import DeviceGate, KernelProbes, NullDeviceGate
 from gpuwatch.enforce.policy_reload import PolicyLoad
 from gpuwatch.enforce.sharing_hooks import NodeContainers
 
 log = logging.getLogger(__name__)
-
-
-class ProbeLimitMap:
-    """LimitMap over the probes' BPF limit map (kernel_limits.KernelLimitTable).
-
-    The enforcer picks the kernel action per container from its rule (see
-    limitmap.kernel_action); `action`, when given, overrides it for every container."""
-
-    def __init__(self, probes: KernelLimitTable, action: str | None = None) -> None:
-        self.probes = probes
-        self.action = action
-
-    def set_limit(self, cgroup_id: int, limit_bytes: int, action: str = "event") -> None:
-        self.probes.set_limit(cgroup_id, limit_bytes, self.action or action)
-
-    def clear(self, cgroup_id: int) -> None:
-        self.probes.clear_limit(cgroup_id)
 
 
 def build_device_gate(probes: KernelProbes | None, dry_run: bool = False) -> DeviceGate:
@@ -62,7 +43,7 @@ def build_device_gate(probes: KernelProbes | None, dry_run: bool = False) -> Dev
 
 
 class CgroupNodeContainers:
-    """Every container on the node (enforce.sharing.NodeContainers): a walk of the cgroup v2
+    """Every container on the node (enforce.sharing_hooks.NodeContainers): a walk of the cgroup v2
     tree below `subtrees` that stops at each cgroup whose path names a container (the runtime
     table of containers/cgroup_path.py; a gate on it covers the sub-cgroups the container
     makes), with the identity the containers layer gives it (runtime metadata: namespace,
@@ -109,43 +90,28 @@ class CgroupNodeContainers:
 def build_enforcer(
     policy_path: str | Path,
     audit_log: str | Path,
-    dry_run: bool = False,
-    limit_map: LimitMap | None = None,
+    config: EnforcerConfig | None = None,
+    *,
     probes: KernelProbes | None = None,
-    frozen_state_path: str | Path = DEFAULT_STATE_PATH,
-    kernel_limit_action: str | None = None,
     device_gate: DeviceGate | None = None,
     node_containers: NodeContainers | None = None,
     bundle_roots: Any = None,
     initial_policy: PolicyLoad | None = None,
-    recover: bool = True,
-    lock_path: str | Path | None = None,
 ) -> Enforcer:
-    """Enforcer with the default actions; `probes` (a started ProbeManager) wires the
-    in-kernel limit map unless `limit_map` is given, and device isolation (a cgroup device
-    program) unless `device_gate` is given. The node's containers (for exclusive GPUs and
-    glob quotas) come from a CgroupNodeContainers over `bundle_roots` unless
-    `node_containers` is given. Raises PolicyError for a bad policy. `initial_policy`,
-    `recover`, `lock_path`: see Enforcer (the agent reads the policy in a worker and
-    reconciles the node under its lock before it builds the enforcer)."""
-    if limit_map is None and probes is not None:
-        limit_map = ProbeLimitMap(probes, kernel_limit_action)
-    gate = device_gate if device_gate is not None else build_device_gate(probes, dry_run)
+    """Enforcer with the default actions, plugged into the node: `probes` (a started
+    ProbeManager) are the in-kernel limit map and give device isolation its scope (a cgroup
+    device program) unless `device_gate` is given; the node's containers (for exclusive GPUs
+    and glob quotas) come from a CgroupNodeContainers over `bundle_roots` unless
+    `node_containers` is given. Raises PolicyError for a bad policy. `initial_policy`: the
+    policy already read (the agent reads it in a worker and reconciles the node under its
+    lock before it builds the enforcer; then config.recover is False)."""
+    config = config or EnforcerConfig()
+    gate = device_gate if device_gate is not None else build_device_gate(probes, config.dry_run)
     if node_containers is None:
         node_containers = CgroupNodeContainers(bundle_roots=bundle_roots)
+    hooks = EnforcerHooks(kernel_limits=probes, device_gate=gate, node_containers=node_containers)
     try:
-        return Enforcer(
-            policy_path,
-            audit=AuditLog(audit_log),
-            dry_run=dry_run,
-            limit_map=limit_map,
-            device_gate=gate,
-            frozen_state_path=frozen_state_path,
-            node_containers=node_containers,
-            initial_policy=initial_policy,
-            recover=recover,
-            lock_path=lock_path,
-        )
+        return Enforcer(policy_path, config, audit=AuditLog(audit_log), hooks=hooks, initial_policy=initial_policy)
     except BaseException:
         close = getattr(gate, "close", None)
         if device_gate is None and callable(close):  # ours: unload it with the failed enforcer

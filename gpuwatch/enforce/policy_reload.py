@@ -77,3 +77,74 @@ class PolicyLoad:
         if self.policy is None:
             raise PolicyError(f"policy file {self.path} is still being read", fix="wait() first")
         return self.policy
+
+
+class PolicyHolder:
+    """The running policy and its file: the first read, reloads on request (SIGHUP) or when
+    the file changes, each read and checked in a worker (PolicyLoad). An invalid or refused
+    file keeps the running policy (logged, counted through `count_reload`) and is not read
+    again until it changes or a reload is asked for."""
+
+    def __init__(self, path: str | Path, count_reload: Callable[[bool], None], reload_wait_s: float = 0.1,
+                 initial: PolicyLoad | None = None) -> None:
+        self.path = Path(path)
+        self.count_reload = count_reload
+        self.reload_wait_s = reload_wait_s
+        self.reload_requested = False
+        self.last_error = ""
+        self.loaded_s = 0.0
+        """time.time() when the running policy was read (0: never)."""
+        self._pending: PolicyLoad | None = None
+        self._loaded_stat: PolicyStat = None
+        self.policy = self._first(initial)
+
+    def _first(self, load: PolicyLoad | None) -> Policy:
+        if load is None:
+            load = PolicyLoad(self.path)
+        load.wait(None)
+        policy = load.result()  # PolicyError: the agent does not start on a bad policy
+        self._loaded_stat = load.stat
+        self.count_reload(True)
+        self.loaded_s = time.time()
+        return policy
+
+    def reload(self) -> bool:
+        """Re-read the policy file now (waits for the parse); False when it was refused."""
+        self.reload_requested = False
+        self._pending = None
+        load = PolicyLoad(self.path)
+        load.wait(None)
+        return self._apply(load)
+
+    def check(self) -> bool | None:
+        """Reload if asked to or the file changed: returns the load's result once it is in
+        (applied when valid), None while nothing changed or the worker is still at it (the
+        running policy stays meanwhile)."""
+        load = self._pending
+        if load is None:
+            if not (self.reload_requested or policy_stat(self.path) != self._loaded_stat):
+                return None
+            self.reload_requested = False
+            load = self._pending = PolicyLoad(self.path)
+        if not load.wait(self.reload_wait_s):
+            return None
+        self._pending = None
+        return self._apply(load)
+
+    def _apply(self, load: PolicyLoad) -> bool:
+        if load.error is not None:
+            self._loaded_stat = load.stat  # do not retry the same broken file every interval
+            self.last_error = str(load.error)
+            self.count_reload(False)
+            text = self.last_error
+            log.error("policy reload failed; keeping the running policy: %s",
+                      text if len(text) <= 4000 else text[:4000] + f"... ({len(text)} characters)")
+            return False
+        self.policy = load.result()
+        self._loaded_stat = load.stat
+        self.last_error = ""
+        self.count_reload(True)
+        self.loaded_s = time.time()
+        log.info("policy reloaded from %s (%d rules, read and checked in %.2f s)", self.path,
+                 len(self.policy.rules), time.monotonic() - load.started_s)
+        return True

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.cgroup_ops import detect_roots, process_cpu_seconds
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
+from tests.enforcer_setup import enforcer_for
 from tests.system.sim_helpers import sim_container, sim_run_argv
 
 WORKER = r"""
@@ -236,15 +236,9 @@ def ledger_snapshot(sim: simnode.SimNode, containers: list[RunningContainer],
 
 def lab_enforcer(tmp_path: Path, policy: Path | None = None, **kwargs: Any) -> Enforcer:
     """An Enforcer on `policy` (default tmp_path/policy.yaml), its audit log and frozen state in
-    `tmp_path`, no own cgroups (the test's cgroups are all fair game); `kwargs` add to or
-    replace those."""
-    kwargs.setdefault("own_cgroups", frozenset())
-    return Enforcer(
-        tmp_path / "policy.yaml" if policy is None else policy,
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        frozen_state_path=tmp_path / "frozen.json",
-        **kwargs,
-    )
+    `tmp_path`, no own cgroups (the test's cgroups are all fair game); `kwargs` (EnforcerConfig
+    and EnforcerHooks fields) add to or replace those."""
+    return enforcer_for(tmp_path / "policy.yaml" if policy is None else policy, tmp_path, **kwargs)
 
 
 @contextlib.contextmanager
@@ -260,7 +254,7 @@ def kernel_limit_lab(tmp_path: Path, sim: simnode.SimNode, action: str | None = 
         ProbeManager(config) as pm,
         ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc") as lab,
     ):
-        yield pm, lab, lab_enforcer(tmp_path, limit_map=ProbeLimitMap(pm, action))
+        yield pm, lab, lab_enforcer(tmp_path, kernel_limits=pm, kernel_limit_action=action)
 
 
 def run_pod(lab: ContainerLab, sim: simnode.SimNode, markers: Path, real_driver: bool = False) -> RunningContainer:

@@ -26,7 +26,8 @@ class InProcessAgent:
                  interval_s: float = 0.25) -> None:
         from gpuwatch.agent.enforcer_factory import CgroupNodeContainers, build_enforcer
         from gpuwatch.containers import BundleRoots
-        from gpuwatch.enforce.limitmap import NullDeviceGate
+        from gpuwatch.enforce.enforcer import EnforcerConfig
+        from gpuwatch.enforce.kernel_limits import NullDeviceGate
         from gpuwatch.node.sampler import build_sampler
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 
@@ -44,10 +45,10 @@ class InProcessAgent:
             policy.write_text(policy_text)
             self.audit_path = work / "audit.jsonl"
             self.enforcer: Any = build_enforcer(
-                policy_path=policy, audit_log=self.audit_path, probes=self.probes,
-                frozen_state_path=work / "frozen.json", device_gate=NullDeviceGate(),
-                node_containers=CgroupNodeContainers(bundle_roots=roots, subtrees=("/kubepods",)), recover=False,
-                lock_path=work / "agent.lock")
+                policy, self.audit_path,
+                EnforcerConfig(frozen_state_path=work / "frozen.json", recover=False, lock_path=work / "agent.lock"),
+                probes=self.probes, device_gate=NullDeviceGate(),
+                node_containers=CgroupNodeContainers(bundle_roots=roots, subtrees=("/kubepods",)))
         except BaseException:
             self.probes.stop()
             raise

@@ -27,7 +27,8 @@ import pytest
 from gpuwatch.agent.enforcer_factory import build_device_gate, build_enforcer
 from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.core.model import ContainerIdentity
-from gpuwatch.enforce.limitmap import NullDeviceGate
+from gpuwatch.enforce.enforcer import EnforcerConfig
+from gpuwatch.enforce.kernel_limits import NullDeviceGate
 from gpuwatch.probes import bpfsys
 from gpuwatch.probes.devicegate import BpfDeviceGate
 from gpuwatch.probes.devnodes import resolve_gpu_nodes
@@ -324,8 +325,8 @@ def test_enforcer_rule_gates_a_container(env: Env, tmp_path: Path, runtime: str)
     lab = ContainerLab(tmp_path / "lab", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
     enforcer = None
     try:
-        enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", probes=probes,
-                                  frozen_state_path=tmp_path / "frozen.json")
+        settings = EnforcerConfig(frozen_state_path=tmp_path / "frozen.json")
+        enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", settings, probes=probes)
         gate = enforcer.device_gate
         assert isinstance(gate, BpfDeviceGate)
         ctl = tmp_path / "ctl"

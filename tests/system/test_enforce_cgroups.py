@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.enforce.actions import Status
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.cgroup_ops import V1_FREEZER, V2, CgroupTree
 from gpuwatch.enforce.control import FreezeControl, cgroup_cpu_busy
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry
+from tests.enforcer_setup import enforcer_for
 from tests.system.enforce_lab import GIB, CgroupLab, Worker, identity, snapshot
 
 pytestmark = [pytest.mark.root]
@@ -53,14 +54,7 @@ def write_policy(tmp_path: Path, text: str) -> Path:
 
 
 def make_enforcer(tmp_path: Path, text: str, **kwargs: object) -> Enforcer:
-    return Enforcer(
-        write_policy(tmp_path, text),
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        frozen_state_path=tmp_path / "frozen.json",
-        busy_source=cgroup_cpu_busy,
-        own_cgroups=frozenset(),
-        **kwargs,
-    )  # type: ignore[arg-type]
+    return enforcer_for(write_policy(tmp_path, text), tmp_path, busy_source=cgroup_cpu_busy, **kwargs)
 
 
 def progresses(worker: Worker, seconds: float = 0.4) -> bool:
@@ -219,12 +213,7 @@ rules:
     limits: {gpu_memory: 1GiB}
     actions: [{do: kill}]
 """
-    enforcer = Enforcer(
-        write_policy(tmp_path, policy),
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        frozen_state_path=tmp_path / "frozen.json",
-        own_cgroups=frozenset({own_path}),
-    )
+    enforcer = enforcer_for(write_policy(tmp_path, policy), tmp_path, own_cgroups=frozenset({own_path}))
     try:
         for _ in range(3):
             enforcer.on_snapshot(
@@ -261,12 +250,10 @@ def test_close_thaws_paused_and_throttled(lab: CgroupLab, tmp_path: Path) -> Non
 CRASHER = r"""
 import os, sys
 from pathlib import Path
-from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.audit import AuditLog
+from tests.enforcer_setup import enforcer_for
 from tests.system.enforce_lab import identity, snapshot, GIB
 tmp, path = Path(sys.argv[1]), sys.argv[2]
-enforcer = Enforcer(tmp / "policy.yaml", audit=AuditLog(tmp / "audit.jsonl"), frozen_state_path=tmp / "frozen.json",
-                    own_cgroups=frozenset())
+enforcer = enforcer_for(tmp / "policy.yaml", tmp)
 enforcer.on_snapshot(snapshot((identity(path, "crash"), 2 * GIB)))
 os._exit(3)  # crash: no close(), no atexit
 """
@@ -400,12 +387,11 @@ def test_release_never_thaws_what_someone_else_froze(lab: CgroupLab, tmp_path: P
 SIGTERMED = r"""
 import sys, time
 from pathlib import Path
-from gpuwatch.enforce.enforcer import Enforcer, install_exit_handlers
-from gpuwatch.enforce.audit import AuditLog
+from gpuwatch.enforce.enforcer import install_exit_handlers
+from tests.enforcer_setup import enforcer_for
 from tests.system.enforce_lab import identity, snapshot, GIB
 tmp, path = Path(sys.argv[1]), sys.argv[2]
-enforcer = Enforcer(tmp / "policy.yaml", audit=AuditLog(tmp / "audit.jsonl"), frozen_state_path=tmp / "frozen.json",
-                    own_cgroups=frozenset())
+enforcer = enforcer_for(tmp / "policy.yaml", tmp)
 install_exit_handlers(enforcer)
 enforcer.on_snapshot(snapshot((identity(path, "term"), 2 * GIB)))
 print("paused", flush=True)

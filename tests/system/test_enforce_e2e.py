@@ -40,12 +40,13 @@ import json, sys, time
 from pathlib import Path
 from gpuwatch.containers.metadata import BundleRoots
 from gpuwatch.node.sampler import build_sampler
-from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.enforcer import Enforcer, EnforcerConfig
 from gpuwatch.enforce.audit import AuditLog
 tmp, nvml, interval = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 roots = BundleRoots(containerd_tasks=(str(tmp / "bundles"),), runc_state=(str(tmp / "runc"),))
 sampler = build_sampler(nvml_library=nvml, interval_s=interval, node="e2e", bundle_roots=roots)
-enforcer = Enforcer(tmp / "policy.yaml", audit=AuditLog(tmp / "audit.jsonl"), frozen_state_path=tmp / "frozen.json")
+enforcer = Enforcer(tmp / "policy.yaml", EnforcerConfig(frozen_state_path=tmp / "frozen.json"),
+                    audit=AuditLog(tmp / "audit.jsonl"))
 print("agent-ready", flush=True)
 deadline = time.monotonic() + 20
 cycles = []

@@ -25,12 +25,12 @@ import pytest
 from gpuwatch.containers.resolver import IdentityResolver
 from gpuwatch.core.model import DeviceInfo, GpuProcess, GpuSweep
 from gpuwatch.core.probe_nvml import compare_probe_nvml
-from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.limitmap import NullLimitMap
+from gpuwatch.enforce.audit import read_audit
+from gpuwatch.enforce.kernel_limits import NullKernelLimits
 from gpuwatch.node.sampler import Sampler
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
+from tests.enforcer_setup import enforcer_for
 from tests.system.sim_helpers import Workers, cgroup2_root, in_cgroups, private_node, remove_dirs, workers
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -143,9 +143,8 @@ def enforce_refused(snapshot: object, cid_b: str, tmp_path: Path) -> None:
     (tmp_path / "policy.yaml").write_text(
         f"rules:\n  - name: cap-b\n    match: {{container_id: '{cid_b}'}}\n"
         "    limits: {gpu_memory: 4GiB}\n    actions: [{do: kill, at: 100%}]\n")
-    limits = NullLimitMap()
-    enforcer = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"), dry_run=False,
-                        frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(), limit_map=limits)
+    limits = NullKernelLimits()
+    enforcer = enforcer_for(tmp_path / "policy.yaml", tmp_path, kernel_limits=limits)
     try:
         enforcer.on_snapshot(snapshot)
     finally:

@@ -23,6 +23,7 @@ from gpuwatch.containers.resolver import IdentityResolver
 from gpuwatch.core.annotations import SHARING_ANNOTATION
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
 from gpuwatch.enforce.audit import read_audit
+from gpuwatch.enforce.enforcer import EnforcerConfig
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.probes.devicegate import BpfDeviceGate
@@ -87,8 +88,8 @@ def test_exclusive_container_keeps_other_containers_off_its_gpu(env: Env, tmp_pa
 
         listing = CgroupNodeContainers(bundle_roots=roots, subtrees=(pod_dir(holder), pod_dir(other)))
         assert {c.container_id for c in listing.containers()} == {holder.id, other.id}
-        enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", probes=probes,
-                                  frozen_state_path=tmp_path / "frozen.json", node_containers=listing)
+        settings = EnforcerConfig(frozen_state_path=tmp_path / "frozen.json")
+        enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", settings, probes=probes, node_containers=listing)
         gate = enforcer.device_gate
         assert isinstance(gate, BpfDeviceGate)
         everything = {"nvidia0": ALLOWED, "nvidia1": ALLOWED, "nvidiactl": ALLOWED}

@@ -13,11 +13,12 @@ import urllib.request
 from pathlib import Path
 
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.webhook.receiver import WebhookRequest, WebhookServer, parse_alertmanager_payload
 from gpuwatch.enforce.webhook.requests import RepeatGate, find_target, normalize_container_id
+from tests.enforcer_setup import enforcer_for
 
 POLICY = "rules:\n  - name: all\n    match: {default: true}\n"
 TOKEN = "webhook-test-token-0123456789"
@@ -67,9 +68,8 @@ def test_pod_by_namespace_name_or_uid() -> None:
 
 def enforcer(tmp_path: Path, identities: list[ContainerIdentity]) -> Enforcer:
     (tmp_path / "policy.yaml").write_text(POLICY)
-    e = Enforcer(tmp_path / "policy.yaml", audit=AuditLog(tmp_path / "audit.jsonl"), dry_run=True,
-                 cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
-                 frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset())
+    e = enforcer_for(tmp_path / "policy.yaml", tmp_path, dry_run=True,
+                     cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False))
     rows = tuple(ContainerUsage(i, 0, "GPU-0", 1, 0.0, 0.0) for i in identities)
     e.on_snapshot(Snapshot(time.time(), "n", (DeviceInfo(0, "GPU-0", "sim", None, 1 << 34, None, None),), rows))
     return e

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, ProcessUsage, Snapshot
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.inkernel_guard import SUSPENDED_METRIC
-from gpuwatch.enforce.limitmap import NullLimitMap
+from gpuwatch.enforce.kernel_limits import NullKernelLimits
 from tests.unit.test_enforce_enforcer import make, who
 
 MIB = 2**20
@@ -46,9 +46,9 @@ def suspended_gauge(registry: CollectorRegistry, name: str) -> float | None:
 
 def test_diverging_probe_counter_suspends_then_resumes_the_kernel_limit(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    limits = NullLimitMap()
+    limits = NullKernelLimits()
     t = time.time()
-    enforcer = make(tmp_path, KILL_POLICY, limit_map=limits, dry_run=False, clock=lambda: t)
+    enforcer = make(tmp_path, KILL_POLICY, kernel_limits=limits, dry_run=False, clock=lambda: t)
     registry = CollectorRegistry()
     registry.register(enforcer.metrics_collector())
     a, b = who("a", 7), who("b", 8)
@@ -100,9 +100,9 @@ def test_diverging_probe_counter_suspends_then_resumes_the_kernel_limit(
 
 def test_no_nvml_number_keeps_the_kernel_limit(tmp_path: Path) -> None:
     """NVML does not list the container (or lists it N/A): no judgement, its limit stays."""
-    limits = NullLimitMap()
+    limits = NullKernelLimits()
     t = time.time()
-    enforcer = make(tmp_path, KILL_POLICY, limit_map=limits, clock=lambda: t)
+    enforcer = make(tmp_path, KILL_POLICY, kernel_limits=limits, clock=lambda: t)
     a = who("a", 7)
     for _ in range(5):
         t += 0.5
@@ -119,9 +119,9 @@ def test_no_nvml_number_keeps_the_kernel_limit(tmp_path: Path) -> None:
 
 
 def test_dry_run_audits_the_suspension_as_dry_run(tmp_path: Path) -> None:
-    limits = NullLimitMap()
+    limits = NullKernelLimits()
     t = time.time()
-    enforcer = make(tmp_path, KILL_POLICY, limit_map=limits, dry_run=True, clock=lambda: t)
+    enforcer = make(tmp_path, KILL_POLICY, kernel_limits=limits, dry_run=True, clock=lambda: t)
     a = who("a", 7)
     for _ in range(3):
         t += 0.5

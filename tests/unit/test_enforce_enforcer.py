@@ -8,21 +8,21 @@ import json
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuwatch.agent.enforcer_factory import ProbeLimitMap
 from gpuwatch.core.errors import PolicyError
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog, read_audit
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry
-from gpuwatch.enforce.limitmap import NullLimitMap
+from gpuwatch.enforce.kernel_limits import NullKernelLimits
 from gpuwatch.enforce.probe_events import convert_events
 from gpuwatch.policy.events import ProbeEventKind
+from gpuwatch.probes.kernel_events import KernelEvent
+from tests.enforcer_setup import enforcer_on_fake_tree
 
 GIB = 2**30
 CASES = Path(__file__).parent / "policy_cases"
@@ -54,17 +54,7 @@ def snap(*rows: tuple[ContainerIdentity, int], t: float | None = None) -> Snapsh
 
 
 def make(tmp_path: Path, text: str = ALERT_POLICY, **kwargs: object) -> Enforcer:
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(text)
-    tree = CgroupTree(v2_root=tmp_path / "cg", autodetect=False)
-    return Enforcer(
-        policy,
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        cgroups=tree,
-        frozen_state_path=tmp_path / "frozen.json",
-        own_cgroups=frozenset(),
-        **kwargs,
-    )  # type: ignore[arg-type]
+    return enforcer_on_fake_tree(tmp_path, text, **kwargs)
 
 
 def bump_mtime(path: Path) -> None:
@@ -136,8 +126,8 @@ def test_audit_record_fields_and_metrics(tmp_path: Path) -> None:
 
 def test_dry_run_audits_but_does_not_act(tmp_path: Path) -> None:
     text = ALERT_POLICY.replace("do: alert", "do: kill")
-    limits = NullLimitMap()
-    enforcer = make(tmp_path, text, dry_run=True, limit_map=limits)
+    limits = NullKernelLimits()
+    enforcer = make(tmp_path, text, dry_run=True, kernel_limits=limits)
     enforcer.on_snapshot(snap((who(), 2 * GIB)))
     (record,) = read_audit(tmp_path / "audit.jsonl")
     assert record["action"] == "kill" and record["result"] == "dry_run" and record["dry_run"] is True
@@ -153,9 +143,9 @@ def test_stale_snapshot_not_acted_on_and_counted(tmp_path: Path) -> None:
     enforcer.close()
 
 
-def test_limit_map_gets_limits_and_clears_vanished(tmp_path: Path) -> None:
-    limits = NullLimitMap()
-    enforcer = make(tmp_path, limit_map=limits)
+def test_kernel_limits_get_limits_and_clear_vanished(tmp_path: Path) -> None:
+    limits = NullKernelLimits()
+    enforcer = make(tmp_path, kernel_limits=limits)
     t = time.time()
     enforcer.on_snapshot(snap((who("a", 7), GIB // 2), (who("b", None), GIB // 2), t=t - 0.5))
     assert limits.limits == {7: GIB}  # no cgroup id, no kernel limit
@@ -164,27 +154,30 @@ def test_limit_map_gets_limits_and_clears_vanished(tmp_path: Path) -> None:
     enforcer.close()
 
 
-def test_probe_limit_map_adapter() -> None:
-    calls: list[tuple[object, ...]] = []
-    probes = SimpleNamespace(
-        set_limit=lambda *a: calls.append(("set", *a)), clear_limit=lambda *a: calls.append(("clear", *a))
-    )
-    adapter = ProbeLimitMap(probes, "kill")
-    adapter.set_limit(5, 100)
-    adapter.clear(5)
-    assert calls == [("set", 5, 100, "kill"), ("clear", 5)]
+def test_kernel_limit_action_overrides_the_rules_action(tmp_path: Path) -> None:
+    """EnforcerConfig.kernel_limit_action is the action of every pushed limit (the alert-only
+    rule alone would push "event")."""
+    for override, expected in ((None, "event"), ("kill", "kill")):
+        limits = NullKernelLimits()
+        enforcer = make(tmp_path, kernel_limits=limits, kernel_limit_action=override)
+        enforcer.on_snapshot(snap((who("a", 7), GIB // 2)))
+        assert limits.limits == {7: GIB} and limits.actions == {7: expected}
+        enforcer.close()
+    with pytest.raises(ValueError, match="not one of"):
+        NullKernelLimits().set_limit(7, GIB, "freeze")
 
 
 def test_convert_probe_layer_events() -> None:
-    raw = [
-        SimpleNamespace(type="oom", ts_ns=10 * 10**9, cgroup_id=9, tgid=77, size_bytes=GIB, device=0),
-        SimpleNamespace(type="over_limit", ts_ns=11 * 10**9, cgroup_id=9, tgid=77, size_bytes=5, device=None),
-        SimpleNamespace(type="new_gpu_process", ts_ns=1, cgroup_id=9, tgid=77, size_bytes=0, device=0),
-    ]
+    def kernel_event(type_: str, ts_ns: int, size: int, device: int | None) -> KernelEvent:
+        return KernelEvent(type=type_, ts_ns=ts_ns, cgroup_id=9, tgid=77, tid=77, comm="python", size_bytes=size,
+                           value=0, device=device, source="ioctl", kind="gpu")
+
+    raw = [kernel_event("oom", 10 * 10**9, GIB, 0), kernel_event("over_limit", 11 * 10**9, 5, None),
+           kernel_event("new_gpu_process", 1, 0, 0)]
     events = convert_events(raw, wall=lambda: 1000.0, monotonic=lambda: 20.0)
     assert [e.kind for e in events] == [ProbeEventKind.OOM, ProbeEventKind.OVER_LIMIT]
     assert events[0].timestamp_s == 990.0 and events[0].requested_bytes == GIB and events[0].cgroup_id == 9
-    assert events[1].gpu_index == -1
+    assert events[1].gpu_index == -1 and events[0].pid == 77
 
 
 def test_recover_thaws_what_the_state_file_lists(tmp_path: Path) -> None:
@@ -228,7 +221,7 @@ def test_audit_is_append_only_jsonl(tmp_path: Path) -> None:
 
 
 def test_device_gate_gets_allowed_gpus_and_clears_vanished(tmp_path: Path) -> None:
-    from gpuwatch.enforce.limitmap import NullDeviceGate
+    from gpuwatch.enforce.kernel_limits import NullDeviceGate
 
     gate = NullDeviceGate()
     text = ALERT_POLICY.replace("{gpu_memory: 1GiB, gpu_time_share: 50%}", "{devices: [0, 2]}")
@@ -242,7 +235,7 @@ def test_device_gate_gets_allowed_gpus_and_clears_vanished(tmp_path: Path) -> No
 
 
 def test_kernel_action_follows_the_rule_ladder(tmp_path: Path) -> None:
-    from gpuwatch.enforce.limitmap import kernel_action
+    from gpuwatch.enforce.kernel_limits import kernel_action
     from gpuwatch.policy.loader import check_policy_text
 
     def rule_with(actions: str) -> object:
@@ -259,8 +252,8 @@ def test_kernel_action_follows_the_rule_ladder(tmp_path: Path) -> None:
     assert kernel_action(rule_with("[{do: kill, for: 10s}]")) == "event"  # type: ignore[arg-type]
     assert kernel_action(rule_with("[{do: kill, on: gpu_time_share}]")) == "event"  # type: ignore[arg-type]
     assert kernel_action(None) == "event" and kernel_action(None, fair_share=True) == "stop"
-    limits = NullLimitMap()
-    enforcer = make(tmp_path, ALERT_POLICY.replace("do: alert", "do: kill"), limit_map=limits)
+    limits = NullKernelLimits()
+    enforcer = make(tmp_path, ALERT_POLICY.replace("do: alert", "do: kill"), kernel_limits=limits)
     enforcer.on_snapshot(snap((who("a", 7), GIB // 2)))
     assert limits.actions == {7: "kill"}
     enforcer.close()

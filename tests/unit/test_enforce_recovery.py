@@ -23,7 +23,7 @@ from gpuwatch.core.errors import EnforcementError
 from gpuwatch.enforce.audit import AuditLog, read_audit
 from gpuwatch.enforce.cgroup_ops import V1_FREEZER, V2, CgroupTree
 from gpuwatch.enforce.control import FreezeControl
-from gpuwatch.enforce.enforcer import Enforcer
+from gpuwatch.enforce.enforcer import Enforcer, EnforcerConfig
 from gpuwatch.enforce.freeze.frozen_state import FrozenRegistry, RecoveryAction, parse_journal
 from gpuwatch.enforce.freeze.markers import (
     LIVE_OTHER,
@@ -334,8 +334,8 @@ def test_enforcer_recovery_is_audited_and_counted(node: Node) -> None:
     node.mark_by(dead_owner())
     from gpuwatch.enforce.actions import build_actions
 
-    enforcer = Enforcer(policy, actions=build_actions(control), audit=AuditLog(node.tmp / "audit.jsonl"),
-                        own_cgroups=frozenset())
+    enforcer = Enforcer(policy, EnforcerConfig(own_cgroups=frozenset()), actions=build_actions(control),
+                        audit=AuditLog(node.tmp / "audit.jsonl"))
     assert enforcer.recovered == [PATH]
     records = read_audit(node.tmp / "audit.jsonl")
     assert [(r["event"], r["action"], r["result"]) for r in records] == [

@@ -20,8 +20,8 @@ from gpuwatch.containers.metadata import metadata_from_annotations, parse_docker
 from gpuwatch.core.annotations import GPU_SHARE_ANNOTATION, SHARING_ANNOTATION, label_annotations
 from gpuwatch.core.model import HOST_IDENTITY, ContainerIdentity, ContainerUsage, DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.enforce.audit import read_audit
-from gpuwatch.enforce.enforcer import Enforcer
-from gpuwatch.enforce.limitmap import NullDeviceGate
+from gpuwatch.enforce.enforcer import Enforcer, EnforcerConfig, EnforcerHooks
+from gpuwatch.enforce.kernel_limits import NullDeviceGate
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.policy.sharing import (
     GATE_MAX_GPUS,
@@ -318,10 +318,11 @@ def test_agent_and_host_root_are_never_gated(tmp_path: Path) -> None:
     from gpuwatch.enforce.audit import AuditLog
     from gpuwatch.enforce.cgroup_ops import CgroupTree
 
-    enforcer = Enforcer(policy, audit=AuditLog(tmp_path / "audit.jsonl"),
-                        cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
-                        frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset({"/kubepods/agent"}),
-                        device_gate=gate, node_containers=Listing(agent, IDLE))
+    enforcer = Enforcer(policy, EnforcerConfig(frozen_state_path=tmp_path / "frozen.json",
+                                               own_cgroups=frozenset({"/kubepods/agent"})),
+                        audit=AuditLog(tmp_path / "audit.jsonl"),
+                        hooks=EnforcerHooks(cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
+                                            device_gate=gate, node_containers=Listing(agent, IDLE)))
     enforcer.on_snapshot(snap((HOLDER, 0, GIB)))
     assert set(gate.allowed) == {12}
     enforcer.close()

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuwatch.core import snapshot_doc
 from gpuwatch.core.model import ContainerIdentity
-from gpuwatch.enforce.limitmap import NullLimitMap
+from gpuwatch.enforce.kernel_limits import NullKernelLimits
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from tests.unit.test_enforce_enforcer import GIB, make, snap, who
 
@@ -67,9 +67,9 @@ def test_dry_run_view_shows_who_waits_for_memory_and_why(tmp_path: Path) -> None
 
 
 def test_containers_not_on_a_gpu_yet_get_a_zero_byte_stop_limit(tmp_path: Path) -> None:
-    limits = NullLimitMap()
+    limits = NullKernelLimits()
     newcomer, elsewhere = who("new", 7), dataclasses.replace(who("other", 8), pod_namespace="other")
-    enforcer = make(tmp_path, FAIR, limit_map=limits, node_containers=Listing(newcomer, elsewhere, who("hi", 1)))
+    enforcer = make(tmp_path, FAIR, kernel_limits=limits, node_containers=Listing(newcomer, elsewhere, who("hi", 1)))
     hi = who("hi", 1)
     enforcer.on_snapshot(snap((hi, 2 * GIB)))
     assert limits.limits[7] == 0 and limits.actions[7] == "stop"  # its first allocation waits for admission
@@ -78,7 +78,7 @@ def test_containers_not_on_a_gpu_yet_get_a_zero_byte_stop_limit(tmp_path: Path) 
     enforcer.close()
     (tmp_path / "off").mkdir()
     without = make(tmp_path / "off", FAIR.replace("deadlock:", "rescheduling: {gate_new: false}\ndeadlock:"),
-                   limit_map=(off := NullLimitMap()), node_containers=Listing(newcomer))
+                   kernel_limits=(off := NullKernelLimits()), node_containers=Listing(newcomer))
     without.on_snapshot(snap((hi, 2 * GIB)))
     assert 7 not in off.limits
     without.close()

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from gpuwatch.core.model import ContainerIdentity, ContainerUsage, DeviceInfo, Snapshot
-from gpuwatch.enforce.audit import AuditLog, read_audit
-from gpuwatch.enforce.cgroup_ops import CgroupTree
+from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.webhook.receiver import WebhookRequest, WebhookServer
+from tests.enforcer_setup import enforcer_on_fake_tree
 
 POLICY = """
 rules:
@@ -42,15 +42,7 @@ def ident(name: str, namespace: str) -> ContainerIdentity:
 
 
 def enforcer(tmp_path: Path, dry_run: bool = True) -> Enforcer:
-    (tmp_path / "policy.yaml").write_text(POLICY)
-    e = Enforcer(
-        tmp_path / "policy.yaml",
-        audit=AuditLog(tmp_path / "audit.jsonl"),
-        dry_run=dry_run,
-        cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
-        frozen_state_path=tmp_path / "frozen.json",
-        own_cgroups=frozenset(),
-    )
+    e = enforcer_on_fake_tree(tmp_path, POLICY, dry_run=dry_run)
     rows = tuple(ContainerUsage(i, 0, "GPU-0", 1, 0.0, 0.0) for i in (ident("a", "ml"), ident("dns", "kube-system")))
     e.on_snapshot(Snapshot(time.time(), "n", (DeviceInfo(0, "GPU-0", "sim", None, 1 << 34, None, None),), rows))
     return e

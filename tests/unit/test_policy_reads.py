@@ -15,11 +15,10 @@ import pytest
 from gpuwatch.core.errors import PolicyError
 from gpuwatch.core.model import Snapshot
 from gpuwatch.core.safeio import RefusedFile, read_regular_file
-from gpuwatch.enforce.audit import AuditLog
-from gpuwatch.enforce.cgroup_ops import CgroupTree
 from gpuwatch.enforce.enforcer import Enforcer
 from gpuwatch.enforce.policy_reload import PolicyLoad
 from gpuwatch.policy.loader import MAX_POLICY_BYTES, load_policy
+from tests.enforcer_setup import enforcer_on_fake_tree
 
 GOOD = """
 rules:
@@ -124,12 +123,7 @@ def test_deeply_nested_yaml_is_a_policy_error(tmp_path: Path) -> None:
 # -- the enforcer: reloads off the main loop -------------------------------------------------
 
 def make(tmp_path: Path, **kwargs: object) -> Enforcer:
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(GOOD)
-    return Enforcer(policy, audit=AuditLog(tmp_path / "audit.jsonl"),
-                    cgroups=CgroupTree(v2_root=tmp_path / "cg", autodetect=False),
-                    frozen_state_path=tmp_path / "frozen.json", own_cgroups=frozenset(),
-                    **kwargs)  # type: ignore[arg-type]
+    return enforcer_on_fake_tree(tmp_path, GOOD, **kwargs)
 
 
 def snap() -> Snapshot:
