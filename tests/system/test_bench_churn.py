@@ -12,33 +12,20 @@ so a run that misses only them is repeated once before the test fails.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import need_root
+from tests.system.bench_helpers import run_bench_quick
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "bench_churn.py"
 MEMORY_CHECKS = ("RSS < 60 MiB throughout", "RSS back within 10 MiB of idle after churn")
 CPU_CHECKS = ("cycle CPU, end of churn vs start of churn", "cycle CPU, same live count, after churn vs before",
               "cycle CPU, no live containers, after churn vs before")
 
 
 def run_quick() -> tuple[int, str, dict[str, bool]]:
-    out = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=180, check=False)
-    text = out.stdout + out.stderr
-    assert out.returncode in (0, 1), text
-    assert "Traceback" not in text, text
-    verdicts = {}
-    for label in MEMORY_CHECKS + CPU_CHECKS:
-        line = re.search(rf"^{re.escape(label)}\s+(yes|NO)\b", out.stdout, re.M)
-        assert line, f"no verdict for {label!r}:\n{text}"
-        verdicts[label] = line.group(1) == "yes"
-    assert (out.returncode == 0) == all(verdicts.values()), text
+    out, verdicts = run_bench_quick("bench_churn.py", MEMORY_CHECKS + CPU_CHECKS, r"\s+", timeout_s=180)
+    assert (out.returncode == 0) == all(verdicts.values()), out.stdout + out.stderr
     return out.returncode, out.stdout, verdicts
 
 

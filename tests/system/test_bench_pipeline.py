@@ -20,32 +20,19 @@ test fails.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import need_root
+from tests.system.bench_helpers import run_bench_quick
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "bench_pipeline.py"
 TARGET_ROWS = ("sample cycle minus driver (ms)", "  of which identity resolver (ms)",
                "scrape, build exposition CPU (ms)", "agent RSS (MiB)", "  NVML calls (cost model's share)")
 NVML_COST_TARGET_PCT = 0.5
 
 
 def run_quick() -> tuple[int, str, dict[str, bool]]:
-    out = subprocess.run([sys.executable, str(BENCH), "--quick"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=240, check=False)
-    text = out.stdout + out.stderr
-    assert out.returncode in (0, 1), text
-    assert "Traceback" not in text, text
-    verdicts = {}
-    for label in TARGET_ROWS:
-        line = re.search(rf"^{re.escape(label)}\s.*\s(yes|NO)\b", out.stdout, re.M)
-        assert line, f"no verdict for {label!r}:\n{text}"
-        verdicts[label] = line.group(1) == "yes"
+    out, verdicts = run_bench_quick("bench_pipeline.py", TARGET_ROWS, r"\s.*\s", timeout_s=240)
     return out.returncode, out.stdout, verdicts
 
 
