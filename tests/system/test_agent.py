@@ -27,10 +27,20 @@ from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port, run_alertmanager, run_prometheus
-from tests.system.sim_helpers import CONTEXT_BYTES, CONTEXT_MEMORY_OBJECTS, private_node
+from tests.system.sim_helpers import CONTEXT_BYTES, CONTEXT_MEMORY_OBJECTS, private_node, stop_process
 
 TOKEN = "agent-test-token-0123456789abcdef"
 MIB = 1 << 20
+# the demo node's trainer-0 paused at 1 GiB, released as soon as it is under (the hardening tests' policy)
+PAUSE_TRAINER = """
+tuning: {release_after: 0s, min_hold: 0s}
+rules:
+  - name: pause-trainer
+    match: {pod: trainer-0}
+    limits: {gpu_memory: 1GiB}
+    actions:
+      - {do: pause, at: 100%}
+"""
 
 
 @dataclass
@@ -91,12 +101,7 @@ def running_agent(argv: list[str], env: dict[str, str], log: Path, port: int) ->
         yield proc
     finally:
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def scrape(port: int) -> str:

@@ -34,20 +34,20 @@ from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer
 from tests.conftest import need_binary, need_root
 from tests.system.promstack import free_port
-from tests.system.test_agent import agent_argv, is_frozen, running_agent, sample, scrape, sim_node, wait_until
+from tests.system.test_agent import (
+    PAUSE_TRAINER,
+    agent_argv,
+    is_frozen,
+    running_agent,
+    sample,
+    scrape,
+    sim_node,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.root]
 
 TRAINER = next(w for w in demo.DEFAULT_WORKLOADS if w.pod == "trainer-0")
-PAUSE_TRAINER = """
-tuning: {release_after: 0s, min_hold: 0s}
-rules:
-  - name: pause-trainer
-    match: {pod: trainer-0}
-    limits: {gpu_memory: 1GiB}
-    actions:
-      - {do: pause, at: 100%}
-"""
 SIGTERM_BUDGET_S = 2.0
 
 

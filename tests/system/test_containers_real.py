@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -98,8 +99,18 @@ def rmdir_cgroups(rel_dirs: list[str]) -> None:
                     raise
 
 
+class PodContainer(NamedTuple):
+    """A real runc container in a k8s pod's cgroup, its bundle under a containerd task root."""
+
+    runc: MiniRunc
+    cid: str
+    pod_uid: str
+    cgroups_path: str
+    roots: BundleRoots
+
+
 @pytest.fixture
-def pod_container(runc_required: str, tmp_path: Path) -> Iterator[dict[str, object]]:
+def pod_container(runc_required: str, tmp_path: Path) -> Iterator[PodContainer]:
     cid = uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex, like a CRI container id
     pod_uid = str(uuid.uuid4())
     cgroups_path = f"/kubepods/burstable/pod{pod_uid}/{cid}"
@@ -116,27 +127,16 @@ def pod_container(runc_required: str, tmp_path: Path) -> Iterator[dict[str, obje
     runc.write_bundle(bundle, cgroups_path, annotations)
     try:
         runc.cmd("run", "--detach", "--bundle", str(bundle), cid, timeout_s=20)
-        yield {
-            "runc": runc,
-            "cid": cid,
-            "pod_uid": pod_uid,
-            "cgroups_path": cgroups_path,
-            "roots": BundleRoots(
-                containerd_tasks=(str(task_root),), crio_containers=(), runc_state=(), docker_containers=()
-            ),
-        }
+        yield PodContainer(runc, cid, pod_uid, cgroups_path, BundleRoots(
+            containerd_tasks=(str(task_root),), crio_containers=(), runc_state=(), docker_containers=()
+        ))
     finally:
         runc.remove(cid)
         rmdir_cgroups([cgroups_path, f"/kubepods/burstable/pod{pod_uid}", "/kubepods/burstable", "/kubepods"])
 
 
-def test_real_runc_container_identity(pod_container: dict[str, object]) -> None:
-    runc = pod_container["runc"]
-    assert isinstance(runc, MiniRunc)
-    cid, pod_uid = str(pod_container["cid"]), str(pod_container["pod_uid"])
-    cgroups_path = str(pod_container["cgroups_path"])
-    roots = pod_container["roots"]
-    assert isinstance(roots, BundleRoots)
+def test_real_runc_container_identity(pod_container: PodContainer) -> None:
+    runc, cid, pod_uid, cgroups_path, roots = pod_container
     host_pid = runc.pid(cid)
 
     class Clock:
@@ -220,17 +220,12 @@ print(json.dumps({
 """
 
 
-def test_agent_in_its_own_cgroup_namespace(pod_container: dict[str, object]) -> None:
+def test_agent_in_its_own_cgroup_namespace(pod_container: PodContainer) -> None:
     """`unshare --cgroup` from a child cgroup, as issue 12 reproduced the DaemonSet: the agent
     reads other pods' cgroups as `0::/../..`, mountinfo's cgroup2 root as `/../..`; it must
     still find the hierarchy, attribute the pod with its real cgroup id, know its own cgroup
     for the safety check and pause the right container."""
-    runc = pod_container["runc"]
-    assert isinstance(runc, MiniRunc)
-    cid, pod_uid = str(pod_container["cid"]), str(pod_container["pod_uid"])
-    cgroups_path = str(pod_container["cgroups_path"])
-    roots = pod_container["roots"]
-    assert isinstance(roots, BundleRoots)
+    runc, cid, pod_uid, cgroups_path, roots = pod_container
     pod_pid = runc.pid(cid)
     mounts = discover_mounts()
     assert mounts.unified is not None
@@ -278,17 +273,6 @@ def test_agent_in_its_own_cgroup_namespace(pod_container: dict[str, object]) -> 
                     os.rmdir(d)
 
 
-PAUSE_TRAINER = """
-tuning: {release_after: 0s, min_hold: 0s}
-rules:
-  - name: pause-trainer
-    match: {pod: trainer-0}
-    limits: {gpu_memory: 1GiB}
-    actions:
-      - {do: pause, at: 100%}
-"""
-
-
 def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
     """The whole `gpuwatch agent` (probes, sampler, enforcer) started by `unshare --cgroup`
     from a child cgroup, with the simulated node's runc pods outside it -- issue 12's
@@ -298,7 +282,17 @@ def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
     from tests.conftest import need_binary, need_root
     from tests.system.promstack import free_port
     from tests.system.sim_helpers import CONTEXT_BYTES
-    from tests.system.test_agent import agent_argv, is_frozen, pods, running_agent, sample, scrape, sim_node, wait_until
+    from tests.system.test_agent import (
+        PAUSE_TRAINER,
+        agent_argv,
+        is_frozen,
+        pods,
+        running_agent,
+        sample,
+        scrape,
+        sim_node,
+        wait_until,
+    )
 
     need_root()
     need_binary("runc", "runc")
