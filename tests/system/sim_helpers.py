@@ -22,7 +22,7 @@ import pytest
 from gpuwatch.containers.cgroupfs import discover_mounts
 from gpuwatch.sim import SimNode, down, sim_env, up
 from gpuwatch.sim.node import DEFAULT_CONTEXT_MIB, driver_env
-from gpuwatch.sim.runc import ContainerSpec
+from gpuwatch.sim.runc import ContainerLab, ContainerSpec
 
 GIB = 1024**3
 MIB = 1024**2
@@ -160,6 +160,14 @@ def sim_container(node: SimNode, name: str, argv: list[str], *, binds: Iterable[
     return ContainerSpec(name=name, argv=argv, env={**sim_env(node), **(env or {})},
                          extra_binds=[str(node.state_path.parent), str(node.root), *map(str, binds)],
                          ro_binds=[str(node.libraries.lib_dir)], **spec)
+
+
+@contextmanager
+def tmp_container_lab(tmp_path: Path) -> Iterator[ContainerLab]:
+    """A ContainerLab whose containerd bundles, Docker containers and runc state are all under `tmp_path`."""
+    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", docker_root=tmp_path / "docker",
+                      runc_root=tmp_path / "runc") as lab:
+        yield lab
 
 
 def sim_agent_env(node: SimNode) -> dict[str, str]:

@@ -22,6 +22,7 @@ from gpuwatch.core.errors import SimError
 from gpuwatch.sim import cgroups
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec, RunningContainer
 from tests.conftest import need
+from tests.system.sim_helpers import tmp_container_lab
 
 MOUNTS = cgroups.detect()
 SLEEP = ["/bin/sleep", "30"]
@@ -29,8 +30,7 @@ SLEEP = ["/bin/sleep", "30"]
 
 @pytest.fixture
 def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
-    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", docker_root=tmp_path / "docker",
-                      runc_root=tmp_path / "runc") as container_lab:
+    with tmp_container_lab(tmp_path) as container_lab:
         yield container_lab
 
 

@@ -14,14 +14,14 @@ import pytest
 from gpuwatch.containers.metadata import BundleRoots
 from gpuwatch.containers.resolver import IdentityResolver
 from gpuwatch.sim.runc import ContainerLab, ContainerSpec
+from tests.system.sim_helpers import tmp_container_lab
 
 SLEEP = ["/bin/sleep", "30"]
 
 
 @pytest.fixture
 def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
-    with ContainerLab(tmp_path / "work", bundle_root=tmp_path / "bundles", docker_root=tmp_path / "docker",
-                      runc_root=tmp_path / "runc") as container_lab:
+    with tmp_container_lab(tmp_path) as container_lab:
         yield container_lab
 
 
