@@ -297,6 +297,23 @@ def test_gate_is_null_without_probes_or_in_dry_run() -> None:
     assert isinstance(build_device_gate(object(), dry_run=True), NullDeviceGate)
 
 
+@contextlib.contextmanager
+def gate_lab(env: Env, tmp_path: Path, policy_text: str) -> Iterator[tuple[Path, ProbeManager, ContainerLab]]:
+    """`policy_text` in tmp_path/policy.yaml, the probes started on env's device nodes (no ioctl
+    or allocation probes: what the device gate needs) and a ContainerLab; the lab closed and the
+    probes stopped at the end (the test closes its enforcer first)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text)
+    probes = ProbeManager(ProbeConfig(device_prefix=env.prefix, ioctl=False, alloc_uprobes=False))
+    probes.start()
+    lab = ContainerLab(tmp_path / "lab", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
+    try:
+        yield policy, probes, lab
+    finally:
+        lab.close()
+        probes.stop()
+
+
 POLICY = """
 rules:
   - name: one-gpu
@@ -318,48 +335,42 @@ def test_enforcer_rule_gates_a_container(env: Env, tmp_path: Path, runtime: str)
     "cgroup": a plain process in its own v2 cgroup (no v1 devices rules at all)."""
     if runtime == "k8s":
         need_binary("runc", "runc")
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    probes = ProbeManager(ProbeConfig(device_prefix=env.prefix, ioctl=False, alloc_uprobes=False))
-    probes.start()
-    lab = ContainerLab(tmp_path / "lab", bundle_root=tmp_path / "bundles", runc_root=tmp_path / "runc")
-    enforcer = None
-    try:
-        settings = EnforcerConfig(frozen_state_path=tmp_path / "frozen.json")
-        enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", settings, probes=probes)
-        gate = enforcer.device_gate
-        assert isinstance(gate, BpfDeviceGate)
-        ctl = tmp_path / "ctl"
-        prober = Prober(ctl, env.paths)
-        if runtime == "k8s":
-            spec = ContainerSpec(name="trainer", namespace="ml", argv=prober.argv,
-                                 extra_binds=[str(env.devdir), str(ctl)],
-                                 device_rules=[{"allow": True, "type": "c", "major": 195, "access": "rwm"}])
-        else:
-            spec = ContainerSpec(name="trainer", argv=prober.argv, runtime="cgroup",
-                                 cgroup_path=f"{env.top.name}/trainer")
-        container = lab.run(spec)
-        who = ContainerIdentity(runtime=runtime, cgroup_path=container.cgroup_path,
-                                container_id=container.id, container_name="trainer",
-                                pod_name="trainer-0", pod_namespace="ml",
-                                cgroup_id=container.v2_dir.stat().st_ino)
-        assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": ALLOWED, "nvidiactl": ALLOWED}
-        enforcer.on_snapshot(snapshot((who, GIB)))
-        assert attached(container.v2_dir) == (gate.prog_id(),)
-        assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": DENIED, "nvidiactl": ALLOWED}
-        enforcer.on_snapshot(snapshot())  # the container left the snapshot: gate lifted
-        assert attached(container.v2_dir) == ()
-        assert prober.probe()["nvidia1"] == ALLOWED
-        enforcer.on_snapshot(snapshot((who, GIB)))
-        assert prober.probe()["nvidia1"] == DENIED
-        prog = gate.prog_id()
-        assert prog is not None
-        enforcer.close()  # agent shutdown: the gate goes with the enforcer
-        assert attached(container.v2_dir) == () and wait_gone(prog)
-        assert prober.probe()["nvidia1"] == ALLOWED
-        prober.stop()
-    finally:
-        if enforcer is not None:
-            enforcer.close()
-        lab.close()
-        probes.stop()
+    with gate_lab(env, tmp_path, POLICY) as (policy, probes, lab):
+        enforcer = None
+        try:
+            settings = EnforcerConfig(frozen_state_path=tmp_path / "frozen.json")
+            enforcer = build_enforcer(policy, tmp_path / "audit.jsonl", settings, probes=probes)
+            gate = enforcer.device_gate
+            assert isinstance(gate, BpfDeviceGate)
+            ctl = tmp_path / "ctl"
+            prober = Prober(ctl, env.paths)
+            if runtime == "k8s":
+                spec = ContainerSpec(name="trainer", namespace="ml", argv=prober.argv,
+                                     extra_binds=[str(env.devdir), str(ctl)],
+                                     device_rules=[{"allow": True, "type": "c", "major": 195, "access": "rwm"}])
+            else:
+                spec = ContainerSpec(name="trainer", argv=prober.argv, runtime="cgroup",
+                                     cgroup_path=f"{env.top.name}/trainer")
+            container = lab.run(spec)
+            who = ContainerIdentity(runtime=runtime, cgroup_path=container.cgroup_path,
+                                    container_id=container.id, container_name="trainer",
+                                    pod_name="trainer-0", pod_namespace="ml",
+                                    cgroup_id=container.v2_dir.stat().st_ino)
+            assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": ALLOWED, "nvidiactl": ALLOWED}
+            enforcer.on_snapshot(snapshot((who, GIB)))
+            assert attached(container.v2_dir) == (gate.prog_id(),)
+            assert prober.probe() == {"nvidia0": ALLOWED, "nvidia1": DENIED, "nvidiactl": ALLOWED}
+            enforcer.on_snapshot(snapshot())  # the container left the snapshot: gate lifted
+            assert attached(container.v2_dir) == ()
+            assert prober.probe()["nvidia1"] == ALLOWED
+            enforcer.on_snapshot(snapshot((who, GIB)))
+            assert prober.probe()["nvidia1"] == DENIED
+            prog = gate.prog_id()
+            assert prog is not None
+            enforcer.close()  # agent shutdown: the gate goes with the enforcer
+            assert attached(container.v2_dir) == () and wait_gone(prog)
+            assert prober.probe()["nvidia1"] == ALLOWED
+            prober.stop()
+        finally:
+            if enforcer is not None:
+                enforcer.close()
