@@ -45,17 +45,21 @@ def test_missing_library_path_is_a_typed_error_with_a_fix() -> None:
     assert "gpuwatch sim up" in result.stdout
 
 
-def test_env_library_that_is_not_a_library_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    junk = tmp_path / "libnvidia-ml.so.1"
-    junk.write_text("not an ELF file")
-    result = _run("""
+# opens the NVML backend in a fresh interpreter; prints "OK <error>" for the typed error
+OPEN_BACKEND = """
         from gpuwatch.core.errors import NvmlUnavailable
         from gpuwatch.gpu.nvml import NvmlBackend
         try:
             NvmlBackend()
         except NvmlUnavailable as err:
             print("OK", err)
-    """, {"GPUWATCH_NVML_LIBRARY": str(junk)})
+    """
+
+
+def test_env_library_that_is_not_a_library_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    junk = tmp_path / "libnvidia-ml.so.1"
+    junk.write_text("not an ELF file")
+    result = _run(OPEN_BACKEND, {"GPUWATCH_NVML_LIBRARY": str(junk)})
     assert result.stdout.startswith("OK cannot load NVML library"), result.stdout + result.stderr
 
 
@@ -63,14 +67,7 @@ def test_no_driver_on_this_host_gives_one_clear_message() -> None:
     probe = _run("import ctypes; ctypes.CDLL('libnvidia-ml.so.1'); print('present')")
     if "present" in probe.stdout:
         return  # a host with a real driver: this case cannot happen here (tests/gpu covers it)
-    result = _run("""
-        from gpuwatch.core.errors import NvmlUnavailable
-        from gpuwatch.gpu.nvml import NvmlBackend
-        try:
-            NvmlBackend()
-        except NvmlUnavailable as err:
-            print("OK", err)
-    """)
+    result = _run(OPEN_BACKEND)
     assert result.stdout.startswith("OK NVML (libnvidia-ml.so.1) not found"), result.stdout + result.stderr
     assert "install the NVIDIA driver" in result.stdout
 

@@ -24,13 +24,6 @@ def clock() -> float:
     return NOW
 
 
-@pytest.fixture
-def features_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "features.d"
-    directory.mkdir()
-    return directory
-
-
 def writer_for(features_dir: Path) -> FeatureFileWriter:
     return FeatureFileWriter(features_dir / "gpuwatch", interval_s=1.0, clock=clock)
 

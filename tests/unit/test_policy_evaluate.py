@@ -373,9 +373,8 @@ def test_namespace_quota_release_when_back_under() -> None:
     assert [x.target.container_name for x in rel] == ["lo"]
 
 
-DEADLOCK = """
-deadlock: {enabled: true, action: checkpoint-then-kill, grace: 3s, blocked_window: 10s}
-rules:
+# two priority rules by the "tier" label (also the head of test_policy_rescheduling's rules)
+TIER_RULES = """rules:
   - name: low
     priority: 1
     match: {labels: {tier: low}}
@@ -383,6 +382,9 @@ rules:
     priority: 9
     match: {labels: {tier: high}}
 """
+DEADLOCK = """
+deadlock: {enabled: true, action: checkpoint-then-kill, grace: 3s, blocked_window: 10s}
+""" + TIER_RULES
 
 
 def oom(identity: ContainerIdentity, t: float, want: int, kind: ProbeEventKind = ProbeEventKind.OOM) -> ProbeEvent:

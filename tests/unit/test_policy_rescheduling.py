@@ -9,17 +9,9 @@ from gpuwatch.policy.arbitration import ArbitrationState, arbitrate_memory
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.policy.usage import group_containers
-from tests.unit.test_policy_evaluate import GIB, Driver, ident, policy, snap, usage
+from tests.unit.test_policy_evaluate import GIB, TIER_RULES, Driver, ident, policy, snap, usage
 
-RULES = """
-rules:
-  - name: low
-    priority: 1
-    match: {labels: {tier: low}}
-  - name: high
-    priority: 9
-    match: {labels: {tier: high}}
-  - name: rest
+RULES = "\n" + TIER_RULES + """  - name: rest
     match: {namespace: ml}
 """
 

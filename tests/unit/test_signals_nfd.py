@@ -329,13 +329,6 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def features_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "features.d"
-    directory.mkdir()
-    return directory
-
-
 def test_writes_mode_0644_expiry_with_floor(features_dir: Path) -> None:
     clock = Clock()
     old = os.umask(0o077)
