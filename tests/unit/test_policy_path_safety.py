@@ -22,14 +22,8 @@ from gpuwatch.cli.main import cli
 from gpuwatch.core.errors import PolicyError
 from gpuwatch.core.safeio import RefusedFile, read_file_beneath
 from gpuwatch.policy.loader import load_policy, read_policy_text
+from tests.unit.test_policy_reads import GOOD  # the same one-rule policy
 
-GOOD = """
-rules:
-  - name: first
-    match: {namespace: ml}
-    limits: {gpu_memory: 1GiB}
-    actions: [{do: alert, at: 100%}]
-"""
 SECRET_LINES = ("root:$6$SECRETHASHxyz:19000:0:99999:7:::", "daemon:*SECRET2abc:19000:0:99999:7:::")
 RESOLVERS = ("auto", "realpath")
 
