@@ -80,21 +80,24 @@ def label_key_errors(key: str) -> list[str]:
     errors = []
     if len(parts) == 2:
         prefix, name = parts
-        if not prefix:
-            errors.append("empty prefix")
-        elif len(prefix) > 253:
-            errors.append(f"prefix longer than 253 characters ({len(prefix)})")
-        elif _SUBDOMAIN.fullmatch(prefix) is None:
-            errors.append(f"prefix {prefix!r} is not a lower-case RFC 1123 subdomain")
+        errors += _part_errors("prefix", prefix, 253, _SUBDOMAIN, "is not a lower-case RFC 1123 subdomain")
     else:
         name = parts[0]
-    if not name:
-        errors.append("empty name part")
-    elif len(name) > 63:
-        errors.append(f"name part longer than 63 characters ({len(name)})")
-    elif _NAME.fullmatch(name) is None:
-        errors.append(f"name part {name!r} must be alphanumerics, '-', '_' or '.', alphanumeric at both ends")
+    errors += _part_errors("name part", name, 63, _NAME,
+                           "must be alphanumerics, '-', '_' or '.', alphanumeric at both ends")
     return errors
+
+
+def _part_errors(part: str, value: str, max_len: int, pattern: re.Pattern[str], shape: str) -> list[str]:
+    """What is wrong with one part of a key: empty, longer than `max_len`, or not `pattern`
+    (`shape` says what it must be)."""
+    if not value:
+        return [f"empty {part}"]
+    if len(value) > max_len:
+        return [f"{part} longer than {max_len} characters ({len(value)})"]
+    if pattern.fullmatch(value) is None:
+        return [f"{part} {value!r} {shape}"]
+    return []
 
 
 def label_value_errors(value: str) -> list[str]:

@@ -289,27 +289,32 @@ def test_library_copy_at_new_inode_is_attached_after_rescan(lab: Lab, manager: P
     assert w.finish() == 0
 
 
-def test_over_limit_allocation_is_killed_in_kernel(lab: Lab, manager: ProbeManager) -> None:
-    cg, cg_id = lab.cgroup("limit")
-    manager.set_limit(cg_id, 5 * 1000, action="kill")
+@contextmanager
+def grower_over_limit(lab: Lab, manager: ProbeManager, name: str, limit_bytes: int,
+                      action: str) -> Iterator[tuple[int, Workload]]:
+    """A cgroup with an in-kernel limit (`action` when it is crossed), the events so far drained,
+    and a workload in it that allocates 1000 bytes ten times through libcuda; (the cgroup id,
+    the workload). The limit is cleared at the end."""
+    cg, cg_id = lab.cgroup(name)
+    manager.set_limit(cg_id, limit_bytes, action=action)
     try:
         manager.poll_events(0)
-        w = lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "1000", "10", "pause")
+        yield cg_id, lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "1000", "10", "pause")
+    finally:
+        manager.clear_limit(cg_id)
+
+
+def test_over_limit_allocation_is_killed_in_kernel(lab: Lab, manager: ProbeManager) -> None:
+    with grower_over_limit(lab, manager, "limit", 5 * 1000, "kill") as (cg_id, w):
         assert w.finish() == -signal.SIGKILL
         events = [e for e in manager.poll_events(1000) if e.tgid == w.pid]
         assert [e.type for e in events if e.type in ("over_limit", "kill")] == ["over_limit", "kill"]
         wait_for(lambda: counters_for(manager, cg_id).cuda_allocated_bytes == 0)
         assert counters_for(manager, cg_id).cuda_allocations_total == 5
-    finally:
-        manager.clear_limit(cg_id)
 
 
 def test_over_limit_allocation_is_stopped_in_kernel(lab: Lab, manager: ProbeManager) -> None:
-    cg, cg_id = lab.cgroup("limit-stop")
-    manager.set_limit(cg_id, 3 * 1000, action="stop")
-    try:
-        manager.poll_events(0)
-        w = lab.spawn(cg, "dlopen", str(lab.lib), "cualloc", "1000", "10", "pause")
+    with grower_over_limit(lab, manager, "limit-stop", 3 * 1000, "stop") as (cg_id, w):
 
         def stopped() -> bool:
             return Path(f"/proc/{w.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
@@ -321,8 +326,6 @@ def test_over_limit_allocation_is_stopped_in_kernel(lab: Lab, manager: ProbeMana
         assert counters_for(manager, cg_id).cuda_allocated_bytes == 3 * 1000
         w.kill()
         wait_for(lambda: counters_for(manager, cg_id).cuda_allocated_bytes == 0)
-    finally:
-        manager.clear_limit(cg_id)
 
 
 def _rss_kib() -> int:
