@@ -145,7 +145,7 @@ class _Stages:
 def agent_child(args: argparse.Namespace) -> None:
     from gpuwatch.containers import BundleRoots
     from gpuwatch.exporter.metrics_server import registry_for, serve
-    from gpuwatch.node.sampler import build_sampler
+    from gpuwatch.pipeline.sampler import build_sampler
     from gpuwatch.signals.health import HealthTracker
     from gpuwatch.signals.kmsg import KmsgReader
     from gpuwatch.signals.network import NetworkReader

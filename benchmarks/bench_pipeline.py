@@ -199,7 +199,7 @@ def driver_floor_cpu_s(library: str, device_count: int) -> float:
 def agent_child(args: argparse.Namespace) -> None:
     from gpuwatch.exporter.exposition import render_text
     from gpuwatch.exporter.metrics_server import registry_for, serve
-    from gpuwatch.node.sampler import Sampler
+    from gpuwatch.pipeline.sampler import Sampler
 
     backends: list[TimedBackend] = []
 
@@ -286,7 +286,7 @@ def _cost_model_cycles(args: argparse.Namespace, factory: Any, resolver: Any, ne
     fresh sampler and backend (as an agent started on such a node: its read cadence learns the
     costly call from its first read; COST_WARMUP_CYCLES first), then switch the costs off.
     Returns the cycles' and sweeps' CPU, and the bare calls of one sweep."""
-    from gpuwatch.node.sampler import Sampler
+    from gpuwatch.pipeline.sampler import Sampler
 
     lib = ctypes.CDLL(args.nvml_library)  # the backend's library: same handle, same node
     state = os.environ["GPUWATCH_SIM_STATE"].encode()

@@ -158,7 +158,7 @@ class Pipeline:
 
     def __init__(self, sim: Any, lab_dirs: dict[str, Path], work: Path, interval_s: float) -> None:
         from gpuwatch.containers import BundleRoots
-        from gpuwatch.node.sampler import build_sampler
+        from gpuwatch.pipeline.sampler import build_sampler
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 
         os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)

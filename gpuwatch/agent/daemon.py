@@ -275,7 +275,7 @@ def run_agent(config: AgentConfig, stop: threading.Event, reload_requested: thre
 def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: threading.Event) -> None:
     from gpuwatch.exporter.liveness import LoopHealth
     from gpuwatch.exporter.metrics_server import registry_for, serve
-    from gpuwatch.node.sampler import build_sampler
+    from gpuwatch.pipeline.sampler import build_sampler
 
     node = config.node or socket.gethostname()
     if config.nvml_library:

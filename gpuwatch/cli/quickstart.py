@@ -121,7 +121,7 @@ def quickstart(listen: str, interval_s: float, simulate: bool, duration_s: float
     Without a terminal it prints the table once after a few samples instead.
     """
     from gpuwatch.cli.addresses import parse_listen
-    from gpuwatch.node.sampler import build_sampler
+    from gpuwatch.pipeline.sampler import build_sampler
 
     host, port = parse_listen(listen, "--listen")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind the ExitStack: nothing left behind

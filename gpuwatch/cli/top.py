@@ -49,7 +49,7 @@ def open_source(snapshot_file: Path | None, nvml_library: str | None, interval_s
     if agent_url is not None:
         return AgentSource(agent_url)
     try:
-        sampler_module = importlib.import_module("gpuwatch.node.sampler")
+        sampler_module = importlib.import_module("gpuwatch.pipeline.sampler")
     except ImportError as err:
         raise click.ClickException(f"the gpuwatch sampler cannot be loaded: {err}") from err
     try:

@@ -221,7 +221,7 @@ class ProbeCounters:
 class ProcessProbe:
     """One process's live bytes as the probes keep them per process (gw_tgids), with the
     cgroup its per-cgroup counters go to. Read only where the per-cgroup counters cannot be
-    joined to containers whole (node/probe_join.py: hybrid hosts)."""
+    joined to containers whole (pipeline/probe_join.py: hybrid hosts)."""
 
     tgid: int
     cgroup_id: int

@@ -5,7 +5,7 @@ limit map (KernelLimitTable) when it changes and cleared when the container goes
 Left out, each for its reason: containers the probe-vs-NVML cross-check suspends
 (inkernel_guard: the kernel must not act on a counter NVML contradicts), protected ones and
 the host (never touched unless a policy names them), and containers whose probe counters
-were joined per process (node/probe_join.py: on a hybrid host the v2 cgroup their processes
+were joined per process (pipeline/probe_join.py: on a hybrid host the v2 cgroup their processes
 are counted in is not theirs, maybe shared: a limit there would act on every container in
 it; refused, audited once per container). Under fair share with `rescheduling.gate_new`,
 containers a rule matches that hold no GPU memory yet get a 0-byte "stop" entry, so their

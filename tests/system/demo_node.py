@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpuwatch.containers import BundleRoots
 from gpuwatch.exporter.metrics_server import ExporterServer, registry_for, serve
-from gpuwatch.node.sampler import Sampler, build_sampler
+from gpuwatch.pipeline.sampler import Sampler, build_sampler
 from gpuwatch.sim import demo
 from gpuwatch.sim import node as simnode
 from gpuwatch.sim.runc import ContainerLab, RunningContainer

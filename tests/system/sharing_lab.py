@@ -28,7 +28,7 @@ class InProcessAgent:
         from gpuwatch.containers import BundleRoots
         from gpuwatch.enforce.enforcer import EnforcerConfig
         from gpuwatch.enforce.kernel_limits import NullDeviceGate
-        from gpuwatch.node.sampler import build_sampler
+        from gpuwatch.pipeline.sampler import build_sampler
         from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 
         os.environ["GPUWATCH_SIM_STATE"] = str(sim.state_path)

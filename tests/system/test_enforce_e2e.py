@@ -39,7 +39,7 @@ AGENT = r"""
 import json, sys, time
 from pathlib import Path
 from gpuwatch.containers.metadata import BundleRoots
-from gpuwatch.node.sampler import build_sampler
+from gpuwatch.pipeline.sampler import build_sampler
 from gpuwatch.enforce.enforcer import Enforcer, EnforcerConfig
 from gpuwatch.enforce.audit import AuditLog
 tmp, nvml, interval = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])

@@ -27,7 +27,7 @@ from gpuwatch.core.model import DeviceInfo, GpuProcess, GpuSweep
 from gpuwatch.core.probe_nvml import compare_probe_nvml
 from gpuwatch.enforce.audit import read_audit
 from gpuwatch.enforce.kernel_limits import NullKernelLimits
-from gpuwatch.node.sampler import Sampler
+from gpuwatch.pipeline.sampler import Sampler
 from gpuwatch.probes.manager import ProbeConfig, ProbeManager
 from gpuwatch.sim import node as simnode
 from tests.enforcer_setup import enforcer_for

@@ -2,7 +2,7 @@
 shaped like the real driver's (issue 17, items 1-2; gpuwatch/sim/README.md "NVML samples").
 
 The fake NVML gives a process a sample only for the 1/6 s periods it ran in, several
-processes' samples overlap in one period, and the agent (gpu/samples.py, node/attribution.py)
+processes' samples overlap in one period, and the agent (gpu/samples.py, pipeline/attribution.py)
 integrates them by the time they cover. Ground truth is the sim's ledger of busy time per
 process (`SimProcess.busy_seconds_total`), which the stub credits as kernels run.
 

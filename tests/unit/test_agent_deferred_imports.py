@@ -55,7 +55,7 @@ import json, sys
 from gpuwatch.agent.daemon import DEFERRED_PACKAGES, defer_package_init
 for package in DEFERRED_PACKAGES:
     defer_package_init(package)
-import gpuwatch.cli.agent, gpuwatch.agent.daemon, gpuwatch.node.sampler, gpuwatch.exporter.metrics_server
+import gpuwatch.cli.agent, gpuwatch.agent.daemon, gpuwatch.pipeline.sampler, gpuwatch.exporter.metrics_server
 import gpuwatch.exporter.collector, gpuwatch.signals.signal_collector, gpuwatch.signals.network
 import gpuwatch.signals.progress, gpuwatch.signals.kmsg
 heavy = ("pyroute2", "yaml", "bcc", "prometheus_client.exposition", "asyncio", "sqlite3")

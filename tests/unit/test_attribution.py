@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gpuwatch.core.model import HOST_IDENTITY, GpuProcess, GpuSweep, ProcessIdentity
-from gpuwatch.node.attribution import AttributionState, attribute
+from gpuwatch.pipeline.attribution import AttributionState, attribute
 from tests.unit.gpu_fakes import GIB, container, device
 
 A = container("aaaa1111", namespace="team-a", pod="train-0", name="trainer", pod_uid="uid-a")

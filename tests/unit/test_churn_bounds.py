@@ -25,7 +25,7 @@ from gpuwatch.core.model import (
     ProcessIdentity,
     ProcessUsage,
 )
-from gpuwatch.node.attribution import AttributionState, CounterTable, attribute
+from gpuwatch.pipeline.attribution import AttributionState, CounterTable, attribute
 from gpuwatch.signals.kmsg import KmsgReader
 from gpuwatch.signals.progress import ProgressTracker
 from gpuwatch.signals.signal_collector import SignalCollector

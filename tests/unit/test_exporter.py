@@ -15,7 +15,7 @@ from gpuwatch.core import snapshot_doc
 from gpuwatch.core.model import DeviceInfo, ProbeCounters, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
 from gpuwatch.exporter.metrics_server import registry_for, serve
-from gpuwatch.node.sampler import Sampler
+from gpuwatch.pipeline.sampler import Sampler
 from tests.conftest import need_binary
 from tests.unit.gpu_fakes import GIB, FakeProbes, FakeResolver, FakeWorld, container, device, factory_for
 

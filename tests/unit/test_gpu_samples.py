@@ -9,7 +9,7 @@ import pytest
 
 from gpuwatch.core.model import ContainerIdentity, DeviceInfo, GpuProcess, GpuSweep, ProcessIdentity
 from gpuwatch.gpu.samples import DEFAULT_SAMPLE_PERIOD_US, SampleTimeline, integrate
-from gpuwatch.node.attribution import AttributionState, attribute
+from gpuwatch.pipeline.attribution import AttributionState, attribute
 
 P = 166_667  # us: a data-center GPU's sample period
 T0 = 5_000_000_000

@@ -13,7 +13,7 @@ from gpuwatch.agent.idle import idle_until_devices, nvidia_devices
 from gpuwatch.core.model import GpuSweep
 from gpuwatch.exporter.liveness import LoopHealth
 from gpuwatch.exporter.metrics_server import registry_for, serve
-from gpuwatch.node.sampler import Sampler
+from gpuwatch.pipeline.sampler import Sampler
 from tests.unit.gpu_fakes import FakeBackend, FakeResolver, FakeWorld
 
 

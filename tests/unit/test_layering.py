@@ -6,7 +6,7 @@ Floors, from the bottom up (a floor may import those below it, never those above
 * core -- shared ground (model, errors, bounded I/O, annotations, label names, units);
 * policy -- pure rules and decisions: core only, and no I/O modules;
 * sources -- gpu, probes, containers, signals: core, policy and each other;
-* node -- the pipeline (sampler, attribution): sources, policy, core;
+* pipeline -- the node pipeline (sampler, attribution): sources, policy, core;
 * consumers -- exporter, enforce, tui, extender, cluster: what they read, never the
   sources' machinery, never each other except the cluster client;
 * agent -- the one composition root that wires probes, resolver, enforcer and exporter;
@@ -32,15 +32,15 @@ ALLOWED: dict[str, set[str]] = {
     "containers": {"core"},
     "signals": {"core"},
     "probes": {"core", "containers"},
-    "node": {"core", "policy"} | SOURCES,
+    "pipeline": {"core", "policy"} | SOURCES,
     "cluster": {"core", "policy"},
     "exporter": {"core", "policy", "signals"},
     "enforce": {"core", "policy", "containers.cgroupfs", "containers.cgroup_path"},
     "tui": {"core", "cluster"},
     "extender": {"core", "policy", "cluster"},
-    "agent": {"core", "policy", "node", "enforce", "exporter"} | SOURCES,
+    "agent": {"core", "policy", "pipeline", "enforce", "exporter"} | SOURCES,
     "sim": {"core", "containers", "probes"},
-    "cli": {"core", "policy", "node", "agent", "sim"} | SOURCES | CONSUMERS,
+    "cli": {"core", "policy", "pipeline", "agent", "sim"} | SOURCES | CONSUMERS,
 }
 """Per floor: the packages (or single modules, as `package.module`) it may import. The
 package's own modules and the version string are always allowed."""
@@ -147,7 +147,7 @@ def test_one_composition_root() -> None:
 def test_sources_never_import_consumers(floor: str) -> None:
     """Spelled out for the rule a reader looks for first (ALLOWED already implies it)."""
     bad = [f"{path.name}:{line} {name}" for path, f in modules() if f == floor for line, name in imports(path)
-           if (t := gpuwatch_target(name)) is not None and t[0] in CONSUMERS | {"node", "agent", "cli", "sim"}]
+           if (t := gpuwatch_target(name)) is not None and t[0] in CONSUMERS | {"pipeline", "agent", "cli", "sim"}]
     assert bad == []
 
 

@@ -1,9 +1,9 @@
-"""Per-process join of probe counters (gpuwatch/node/probe_join.py), on hybrid-host shapes."""
+"""Per-process join of probe counters (gpuwatch/pipeline/probe_join.py), on hybrid-host shapes."""
 
 from __future__ import annotations
 
 from gpuwatch.core.model import ContainerIdentity, ProbeCounters, ProcessIdentity, ProcessProbe
-from gpuwatch.node.probe_join import join_process_probes, needs_process_join
+from gpuwatch.pipeline.probe_join import join_process_probes, needs_process_join
 
 MIB = 1 << 20
 A = "a1" * 32

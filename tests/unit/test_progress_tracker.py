@@ -14,7 +14,7 @@ from gpuwatch.containers.metadata import metadata_from_annotations, parse_docker
 from gpuwatch.core import snapshot_doc
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress, ContainerUsage, ProcessUsage, Snapshot
 from gpuwatch.exporter.collector import SnapshotCollector
-from gpuwatch.node.sampler import Sampler
+from gpuwatch.pipeline.sampler import Sampler
 from gpuwatch.signals.progress import ProgressTracker, progress_request_of
 from tests.unit.gpu_fakes import GIB, FakeResolver, FakeWorld, container, factory_for
 from tests.unit.proc_status import write_status

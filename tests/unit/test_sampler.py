@@ -8,7 +8,7 @@ import pytest
 
 from gpuwatch.core.errors import NvmlCallFailed
 from gpuwatch.core.model import GpuSweep, ProbeCounters
-from gpuwatch.node.sampler import Sampler
+from gpuwatch.pipeline.sampler import Sampler
 from tests.unit.gpu_fakes import GIB, FakeBackend, FakeProbes, FakeResolver, FakeWorld, container, factory_for
 
 A = container("aaaa", namespace="ns1", pod="p1", name="c1", cgroup_id=501)

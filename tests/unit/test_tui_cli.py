@@ -124,9 +124,9 @@ def install_fake_sampler(monkeypatch: pytest.MonkeyPatch, sampler: FakeSampler |
             raise sampler
         return sampler
 
-    module = types.ModuleType("gpuwatch.node.sampler")
+    module = types.ModuleType("gpuwatch.pipeline.sampler")
     module.build_sampler = build_sampler  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gpuwatch.node.sampler", module)
+    monkeypatch.setitem(sys.modules, "gpuwatch.pipeline.sampler", module)
     sleeps: list[float] = []
     monkeypatch.setattr(top_module.time, "sleep", sleeps.append)
     calls["sleeps"] = sleeps
@@ -186,7 +186,7 @@ def test_nvml_down_snapshot_exits_nonzero_with_the_reason(monkeypatch: pytest.Mo
 
 
 def test_missing_sampler_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "gpuwatch.node.sampler", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "gpuwatch.pipeline.sampler", None)  # import raises ImportError
     result = run("--once")
     assert result.exit_code == 1 and "sampler cannot be loaded" in result.stderr
 
@@ -198,7 +198,7 @@ def test_sampler_warnings_do_not_reach_the_terminal() -> None:
         "import logging, sys\n"
         "from gpuwatch.cli.top import _quiet_library_logs\n"
         "_quiet_library_logs()\n"
-        "logging.getLogger('gpuwatch.node.sampler').warning('GPU backend down')\n"
+        "logging.getLogger('gpuwatch.pipeline.sampler').warning('GPU backend down')\n"
         "logging.getLogger('other').warning('still shown')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False)

@@ -43,8 +43,8 @@ from gpuwatch.core.model import (
 )
 from gpuwatch.core.probe_nvml import compare_probe_nvml
 from gpuwatch.gpu.backend import GpuBackend
-from gpuwatch.node.attribution import DEFAULT_MAX_RETIRED, AttributionState, attribute
-from gpuwatch.node.probe_join import join_process_probes, needs_process_join
+from gpuwatch.pipeline.attribution import DEFAULT_MAX_RETIRED, AttributionState, attribute
+from gpuwatch.pipeline.probe_join import join_process_probes, needs_process_join
 from gpuwatch.signals.health import apply_health
 
 if TYPE_CHECKING:
