@@ -16,7 +16,9 @@ Every round, per GPU with two or more running tenants:
   most once per `elastic.min_dwell` (a tenant arriving or leaving redivides at once);
 * it is carried out by the closed-loop throttle (enforce/throttle.py): while some job yields
   (its share is below the fair one), every tenant but the one with the largest share is
-  throttled to its share, and that one takes what is left; when nobody yields, the elastic
+  throttled to its share, and that one takes what is left (`elastic.throttle: yielding`:
+  only the yielding jobs are throttled, the others share the rest by plain time slicing, so
+  no share below what a job would use is imposed on it); when nobody yields, the elastic
   throttles are released (plain time slicing is already fair);
 * while containers wait for memory on a GPU (rescheduling), nobody there is made to yield:
   a plateaued job that is slowed down holds its memory longer and keeps the queue waiting.
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatch.model import ContainerIdentity, ContainerProgress
 from gpuwatch.policy.decisions import Decision, Verb
-from gpuwatch.policy.model import ElasticSettings
+from gpuwatch.policy.model import ElasticSettings, ElasticThrottle
 from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.policy.usage import ContainerView
 
@@ -285,7 +287,9 @@ def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[
         role = roles[key] or ("gaining" if shares[key] >= fair - settings.hysteresis else "yielding")
         if role == "held":
             role = "yielding" if shares[key] < fair - settings.hysteresis else "gaining"
-        throttle = shares[key] if yielding and key != top and key in managed and role != "fixed" else None
+        held_to_share = key != top if settings.throttle is ElasticThrottle.ALL_BUT_TOP else \
+            key in elastic_keys and shares[key] < fair - settings.hysteresis
+        throttle = shares[key] if yielding and held_to_share and key in managed and role != "fixed" else None
         measured: tuple[tuple[str, float], ...] = (("fair_share", round(fair, 4)),
                                                    ("elastic_share", round(shares[key], 4)))
         if job.efficiency is not None:

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from gpuwatch.policy import loader
-from gpuwatch.policy.model import ActionKind, AdmissionOrder, FairShareSplit, LimitKind
+from gpuwatch.policy.model import ActionKind, AdmissionOrder, ElasticThrottle, FairShareSplit, LimitKind
 from gpuwatch.policy.units import DURATION_FORM, RATIO_FORM, SIZE_FORM
 
 SCHEMA_ID = "https://github.com/gpuwatch/gpuwatch/blob/main/gpuwatch/policy/policy.schema.json"
@@ -155,6 +155,7 @@ FIELD_TYPES: dict[str, dict[str, dict[str, Any]]] = {
         "min_gpu_time": DURATION,
         "period": DURATION,
         "contended": ratio(1.0),
+        "throttle": {"enum": [t.value for t in ElasticThrottle]},
     },
 }
 

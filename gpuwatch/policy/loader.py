@@ -31,6 +31,7 @@ from gpuwatch.policy.model import (
     AdmissionOrder,
     DeadlockSettings,
     ElasticSettings,
+    ElasticThrottle,
     FairShareSettings,
     FairShareSplit,
     LimitKind,
@@ -77,7 +78,7 @@ DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
 FAIR_SHARE_KEYS = ("enabled", "split")
 RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit", "order", "headroom")
 ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time", "period",
-                "contended")
+                "contended", "throttle")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
     "grace": ActionKind.CHECKPOINT_KILL,
@@ -771,6 +772,15 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
         if key in keys:
             values[field_name] = reader.parsed(keys[key][1], f"elastic.{key}", partial(parse_ratio, maximum=maximum),
                                                RATIO_FORM + f" up to {maximum:.0%}")
+    if "throttle" in keys:
+        raw = reader.scalar(keys["throttle"][1]) if isinstance(keys["throttle"][1], ScalarNode) else None
+        try:
+            values["throttle"] = ElasticThrottle(str(raw))
+        except ValueError:
+            reader.issue(keys["throttle"][1], f"elastic.throttle: unknown value {raw!r}",
+                         'write "all-but-top" (every tenant but the largest share) or "yielding" (only the jobs '
+                         'that yield)')
+            values["throttle"] = None
     ok = all(v is not None for v in values.values())
     return ElasticSettings(**values) if ok else None  # type: ignore[arg-type]
 

@@ -207,6 +207,13 @@ class ReschedulingSettings:
     """Within a priority, who is admitted first: arrival order, or the smallest demand first."""
 
 
+class ElasticThrottle(StrEnum):
+    """Who the elastic controller throttles while some job yields (elastic.throttle)."""
+
+    ALL_BUT_TOP = "all-but-top"
+    YIELDING = "yielding"
+
+
 @dataclass(frozen=True)
 class ElasticSettings:
     """Progress-aware elastic GPU time (FlowCon): co-located jobs' time shares follow their
@@ -233,6 +240,10 @@ class ElasticSettings:
     together are busy less than this fraction of the time (their SM utilisation summed; a
     freeze there costs the yielding job time and gives the others none they lacked); yielding
     in force ends when it falls below half of it. 0: always (the default)."""
+    throttle: ElasticThrottle = ElasticThrottle.ALL_BUT_TOP
+    """Who is held to its share while some job yields: every tenant but the one with the largest
+    share (all-but-top), or only the yielding jobs (yielding: the others share the rest of the
+    GPU by plain time slicing, so no share below what a job would use is imposed on it)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import math
 from gpuwatch.model import ContainerIdentity, ContainerProgress, Snapshot
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.elastic import divide
-from gpuwatch.policy.model import ElasticSettings
+from gpuwatch.policy.model import ElasticSettings, ElasticThrottle
 from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
 
 POLICY = """
@@ -237,3 +237,19 @@ def test_contended_only_yields_where_the_engine_is_busy() -> None:
     n.sm = {"steep": 0.2, "flat": 0.05}
     released = run(n, 1)[0]
     assert throttles(released) == {"flat": None}
+
+
+def test_throttle_yielding_holds_only_the_jobs_that_yield() -> None:
+    def decided(throttle: str) -> set[str]:
+        n = Node(POLICY.replace("min_gpu_time: 0.2s}", f"min_gpu_time: 0.2s, throttle: {throttle}}}"))
+        n.add("steep", curve_linear(0.01))
+        n.add("flat", curve_exp(3.0))
+        n.add("blind", None)  # no progress input: keeps its fair share
+        return {name for r in run(n, 12) for name, share in throttles(r).items() if share is not None}
+
+    # the default holds every tenant but the largest share to its share, the job without
+    # progress input too; `yielding` throttles only the plateaued one
+    assert decided("all-but-top") == {"flat", "blind"}
+    assert decided("yielding") == {"flat"}
+    assert policy(POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, throttle: yielding}")
+                  ).elastic.throttle is ElasticThrottle.YIELDING
