@@ -138,7 +138,8 @@ def mixes(quick: bool) -> dict[str, list[Job]]:
 
 
 def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float | None = None,
-                order: str = "smallest", headroom: float = 1.0, contended: float = 0.0) -> str:
+                order: str = "smallest", headroom: float = 1.0, contended: float = 0.0,
+                elastic_throttle: str = "all-but-top") -> str:
     """The policy of one mode: managed modes declare each job's memory with its pod's rule."""
     if mode == "none":
         return f"rules:\n  - name: all\n    match: {{namespace: {NAMESPACE}}}\n"
@@ -152,7 +153,8 @@ def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float 
     if mode == "elastic":
         window, dwell = ("1s", "1s") if quick else ("3s", "3s")
         lines.append(f"elastic: {{enabled: true, window: {window}, floor: 10%, hysteresis: 5%, min_dwell: {dwell},"
-                     f" plateau: 5%, min_gpu_time: 0.2s{f', contended: {contended:.0%}' if contended else ''}}}")
+                     f" plateau: 5%, min_gpu_time: 0.2s{f', contended: {contended:.0%}' if contended else ''}"
+                     f", throttle: {elastic_throttle}}}")
     lines.append("tuning: {max_actions_per_minute: 600}")
     lines.append("rules:")
     for job in jobs:
@@ -303,13 +305,14 @@ class Run:
     def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
                  timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0, late_binding: bool = False,
                  requeue_after_s: float | None = None, order: str = "smallest", headroom: float = 1.0,
-                 contended: float = 0.0) -> None:
+                 contended: float = 0.0, elastic_throttle: str = "all-but-top") -> None:
         self.pipeline, self.lab, self.sim = pipeline, lab, sim
         self.gpus = gpus
         self.late_binding = late_binding
         self.order = order
         self.headroom = headroom
         self.contended = contended
+        self.elastic_throttle = elastic_throttle
         self.requeue_after_s = requeue_after_s if mode in ("adaptive", "elastic") else None
         self.mode, self.mix = mode, mix
         self.timeout_s, self.retry_s = timeout_s, retry_s
@@ -410,7 +413,8 @@ class Run:
                                                                          quick=self.retry_s < RETRY_S,
                                                                          requeue_after_s=self.requeue_after_s,
                                                                          order=self.order, headroom=self.headroom,
-                                                                         contended=self.contended))
+                                                                         contended=self.contended,
+                                                                         elastic_throttle=self.elastic_throttle))
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
@@ -566,6 +570,8 @@ def main() -> int:
     parser.add_argument("--contended", type=float, default=0.0,
                         help="elastic: re-divide GPU time only where the engine is busier than this "
                              "(elastic.contended)")
+    parser.add_argument("--elastic-throttle", choices=("all-but-top", "yielding"), default="all-but-top",
+                        help="elastic: who is held to its share while a job yields (elastic.throttle)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -600,7 +606,7 @@ def main() -> int:
             print(f"simulated node: {GPUS} GPUs of 8 GiB; agent interval {args.interval:g} s; {repeats} repeats; "
                   f"set up in {time.monotonic() - started:.1f} s; placement {args.placement}, order {args.order}, "
                   f"headroom {args.headroom:.0%}, requeue after {args.requeue_after or 'never'}, "
-                  f"elastic contended {args.contended:.0%}", flush=True)
+                  f"elastic contended {args.contended:.0%}, throttle {args.elastic_throttle}", flush=True)
             for mix in chosen:
                 runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
                 for repeat in range(repeats):  # modes interleaved: a slow spell of the VM hits all of them
@@ -609,7 +615,8 @@ def main() -> int:
                         run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s,
                                   repeat=repeat, late_binding=args.placement == "late",
                                   requeue_after_s=args.requeue_after, order=args.order,
-                                  headroom=args.headroom, contended=args.contended)
+                                  headroom=args.headroom, contended=args.contended,
+                                  elastic_throttle=args.elastic_throttle)
                         result = run.execute()
                         runs[mode].append(result)
                         print(f"  {mix} / {mode} #{repeat + 1}: {time.monotonic() - t:.1f} s, "
