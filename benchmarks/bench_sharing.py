@@ -5,7 +5,7 @@ elastic GPU time (FlowCon).
     sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--repeats N]
                          [--mixes heterogeneous,memory-heavy,long-tail] [--modes none,static,adaptive,elastic]
                          [--order smallest|arrival] [--placement queue|late] [--headroom F]
-                         [--requeue-after S] [--contended F]
+                         [--requeue-after S] [--contended F] [--elastic-throttle all-but-top|yielding]
 
 On the simulated GPU node (gpuwatch/sim: 4 GPUs of 8 GiB; kernels contend for each device's
 engine, time-sliced; memory is a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when
@@ -36,7 +36,8 @@ policy per mode:
   never by OOM; `--requeue-after S`: a job waiting S seconds is checkpointed and placed
   again, rescheduling.checkpoint_after);
 * elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency
-  (`--contended F`: only where the tenants keep the engine busy F of the time or more).
+  (`--contended F`: only where the tenants keep the engine busy F of the time or more;
+  `--elastic-throttle yielding`: only the yielding jobs are throttled).
 
 The order also orders the node's queue (jobs waiting for a GPU, in every mode).
 
