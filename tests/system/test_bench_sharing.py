@@ -6,7 +6,7 @@ and elastic admitting the smallest declared demand first (the benchmark's defaul
 Asserted: every job of every run finished, the table and the JSON line came out with the
 issue's keys, no managed mode let a job run into OOM, and the orderings that held in eight
 quick runs on the 2-core VM (README "Performance"): adaptive's makespan within 5 % of
-static's or better (4-20 % shorter where the numbers were kept) and its memory utilisation
+static's or better (4-21 % shorter where the numbers were kept) and its memory utilisation
 higher (12-16 points). Not asserted, because they did not hold across runs (issue 21 left
 open on them): adaptive < static on average completion -- 3.2 / 4.6 / 2.5 / 6.5 % lower in
 four runs in a row on a quiet VM; while another engineer's benchmark loaded it, 0.0 % and
