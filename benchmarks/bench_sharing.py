@@ -4,6 +4,8 @@ elastic GPU time (FlowCon).
 
     sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--repeats N]
                          [--mixes heterogeneous,memory-heavy,long-tail] [--modes none,static,adaptive,elastic]
+                         [--order smallest|arrival] [--placement queue|late] [--headroom F]
+                         [--requeue-after S] [--contended F] [--elastic-throttle all-but-top|yielding]
 
 On the simulated GPU node (gpuwatch/sim: 4 GPUs of 8 GiB; kernels contend for each device's
 engine, time-sliced; memory is a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when
@@ -17,7 +19,8 @@ declares it: its CUDA context (518 MiB as on an H100, passed explicitly: --conte
 data in whole 2 MiB pages. Jobs arrive 0.3 s apart and are placed on a GPU at arrival by
 gpuwatch/policy/placement.py (the same rule in every mode: spread by declared demand; a job
 that fits nowhere waits on a GPU where its context fits beside every promise, or at the
-node). The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
+node; `--placement late`: it always waits at the node until a GPU has room for all of it).
+The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
 it (sampler, kernel probes with the limit map, enforcer with freezer and throttle), with one
 policy per mode:
 
@@ -25,11 +28,18 @@ policy per mode:
   CUDA_ERROR_OUT_OF_MEMORY and fails (exit 2); it is resubmitted from scratch after a second;
 * static: fair share with `split: equal` -- a job may hold at most the GPU / the jobs holding
   memory (counting itself); beyond it, it waits (stopped at the allocation, frozen);
-* adaptive: fair share with `split: demand` and execution rescheduling: jobs admitted in
-  priority then arrival order for their whole declared demand, the rest wait frozen at their
-  first allocation and are resumed in order as memory frees (a deadlock is broken by
-  checkpoint-then-kill, never by OOM);
-* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency.
+* adaptive: fair share with `split: demand` and execution rescheduling: jobs admitted for
+  their whole declared demand (`--headroom F` < 1: for their current footprint + F x the
+  declared demand, rescheduling.headroom), smallest declared demand first (`--order arrival`:
+  in arrival order; rescheduling.order), the rest wait frozen at their first allocation and
+  are resumed in that order as memory frees (a deadlock is broken by checkpoint-then-kill,
+  never by OOM; `--requeue-after S`: a job waiting S seconds is checkpointed and placed
+  again, rescheduling.checkpoint_after);
+* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency
+  (`--contended F`: only where the tenants keep the engine busy F of the time or more;
+  `--elastic-throttle yielding`: only the yielding jobs are throttled).
+
+The order also orders the node's queue (jobs waiting for a GPU, in every mode).
 
 Per run: average job completion (arrival to done), makespan, time-averaged GPU memory
 utilisation of the node, OOM failures, mean time to 95 % of each job's final progress. Each
@@ -128,18 +138,24 @@ def mixes(quick: bool) -> dict[str, list[Job]]:
     return out
 
 
-def policy_text(mode: str, jobs: list[Job], quick: bool) -> str:
+def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float | None = None,
+                order: str = "smallest", headroom: float = 1.0, contended: float = 0.0,
+                elastic_throttle: str = "all-but-top") -> str:
     """The policy of one mode: managed modes declare each job's memory with its pod's rule."""
     if mode == "none":
         return f"rules:\n  - name: all\n    match: {{namespace: {NAMESPACE}}}\n"
     split = "equal" if mode == "static" else "demand"
+    after = f"{requeue_after_s:g}s, grace: 5s" if requeue_after_s is not None and mode != "static" else "never"
     lines = [f"fair_share: {{enabled: true, split: {split}}}",
-             "rescheduling: {checkpoint_after: never, gate_new: true, demand_from_limit: true}",
+             f"rescheduling: {{checkpoint_after: {after}, gate_new: true, demand_from_limit: true"
+             f"{', order: ' + order if mode != 'static' else ''}"
+             f"{f', headroom: {headroom:.0%}' if mode != 'static' and headroom < 1 else ''}}}",
              "deadlock: {enabled: true, action: checkpoint-then-kill, grace: 10s}"]
     if mode == "elastic":
         window, dwell = ("1s", "1s") if quick else ("3s", "3s")
         lines.append(f"elastic: {{enabled: true, window: {window}, floor: 10%, hysteresis: 5%, min_dwell: {dwell},"
-                     " plateau: 5%, min_gpu_time: 0.2s}")
+                     f" plateau: 5%, min_gpu_time: 0.2s{f', contended: {contended:.0%}' if contended else ''}"
+                     f", throttle: {elastic_throttle}}}")
     lines.append("tuning: {max_actions_per_minute: 600}")
     lines.append("rules:")
     for job in jobs:
@@ -289,9 +305,17 @@ def t95(samples: list[tuple[float, float]], start: float, final: float) -> float
 
 class Run:
     def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
-                 timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0) -> None:
+                 timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0, late_binding: bool = False,
+                 requeue_after_s: float | None = None, order: str = "smallest", headroom: float = 1.0,
+                 contended: float = 0.0, elastic_throttle: str = "all-but-top") -> None:
         self.pipeline, self.lab, self.sim = pipeline, lab, sim
         self.gpus = gpus
+        self.late_binding = late_binding
+        self.order = order
+        self.headroom = headroom
+        self.contended = contended
+        self.elastic_throttle = elastic_throttle
+        self.requeue_after_s = requeue_after_s if mode in ("adaptive", "elastic") else None
         self.mode, self.mix = mode, mix
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.dir = work / f"{mix}-{mode}-{repeat}"
@@ -324,7 +348,7 @@ class Run:
         for index in range(self.gpus):
             placed = [r for r in self.jobs if r.gpu == index and r.done_s is None]
             loads.append(GpuLoad(index, 8 * GIB, sum(r.job.footprint_mib for r in placed) * MIB, len(placed)))
-        return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB)
+        return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB, queue_on_gpu=not self.late_binding)
 
     def _memory_ratio(self) -> float:
         from gpuwatch.sim import node as simnode
@@ -354,6 +378,8 @@ class Run:
         elif status == 0 and "checkpoint" in logs:
             run.done_work_s = min(run.done_work_s + last_work_done(logs), run.job.work_s)
             run.notes.append(f"checkpointed at {run.done_work_s:.2f} GPU-s")
+            if self.requeue_after_s is not None:
+                run.gpu = None  # requeued at the node: placed again, on the GPU with room
         else:
             run.notes.append(f"exit {status}: {logs.strip().splitlines()[-1:] if logs.strip() else ''}")
             run.done_work_s = 0.0
@@ -386,14 +412,20 @@ class Run:
 
     def execute(self) -> dict[str, Any]:
         self.pipeline.use_policy(f"{self.mix}-{self.mode}", policy_text(self.mode, [r.job for r in self.jobs],
-                                                                         quick=self.retry_s < RETRY_S))
+                                                                         quick=self.retry_s < RETRY_S,
+                                                                         requeue_after_s=self.requeue_after_s,
+                                                                         order=self.order, headroom=self.headroom,
+                                                                         contended=self.contended,
+                                                                         elastic_throttle=self.elastic_throttle))
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
             while time.monotonic() < deadline:
                 now = time.monotonic() - t0
                 self.memory.append((now, self._memory_ratio()))
-                for run in self.jobs:
+                # the node's queue: arrival order, or (order smallest) the smallest declared demand first
+                line = sorted(self.jobs, key=lambda r: r.job.footprint_mib) if self.order == "smallest" else self.jobs
+                for run in line:
                     if run.done_s is not None:
                         continue
                     if run.container is None and now >= run.next_start_s:
@@ -526,6 +558,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None, help="runs of each mix and mode (default 3, quick 2)")
     parser.add_argument("--interval", type=float, default=0.25, help="the agent's sample interval (s)")
     parser.add_argument("--timeout-s", type=float, default=None, help="per run (default 300, quick 60)")
+    parser.add_argument("--placement", choices=("queue", "late"), default="queue",
+                        help="a job that fits on no GPU: queue on the GPU where its context fits, or wait at the "
+                             "node until a GPU has room for all of it (late binding)")
+    parser.add_argument("--requeue-after", type=float, default=None,
+                        help="adaptive/elastic: a job waiting for memory this long (s) is checkpointed and placed "
+                             "again (rescheduling.checkpoint_after; default: never)")
+    parser.add_argument("--order", choices=("arrival", "smallest"), default="smallest",
+                        help="adaptive/elastic admission order (rescheduling.order) and the node queue's order")
+    parser.add_argument("--headroom", type=float, default=1.0,
+                        help="adaptive/elastic: admit a job for its current footprint + this fraction of its "
+                             "declared demand (rescheduling.headroom; default 1: the whole declared demand)")
+    parser.add_argument("--contended", type=float, default=0.0,
+                        help="elastic: re-divide GPU time only where the engine is busier than this "
+                             "(elastic.contended)")
+    parser.add_argument("--elastic-throttle", choices=("all-but-top", "yielding"), default="all-but-top",
+                        help="elastic: who is held to its share while a job yields (elastic.throttle)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -558,14 +606,19 @@ def main() -> int:
             pipeline = Pipeline(sim, dirs, work, args.interval)
             stack.callback(pipeline.close)
             print(f"simulated node: {GPUS} GPUs of 8 GiB; agent interval {args.interval:g} s; {repeats} repeats; "
-                  f"set up in {time.monotonic() - started:.1f} s", flush=True)
+                  f"set up in {time.monotonic() - started:.1f} s; placement {args.placement}, order {args.order}, "
+                  f"headroom {args.headroom:.0%}, requeue after {args.requeue_after or 'never'}, "
+                  f"elastic contended {args.contended:.0%}, throttle {args.elastic_throttle}", flush=True)
             for mix in chosen:
                 runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
                 for repeat in range(repeats):  # modes interleaved: a slow spell of the VM hits all of them
                     for mode in modes:
                         t = time.monotonic()
                         run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s,
-                                  repeat=repeat)
+                                  repeat=repeat, late_binding=args.placement == "late",
+                                  requeue_after_s=args.requeue_after, order=args.order,
+                                  headroom=args.headroom, contended=args.contended,
+                                  elastic_throttle=args.elastic_throttle)
                         result = run.execute()
                         runs[mode].append(result)
                         print(f"  {mix} / {mode} #{repeat + 1}: {time.monotonic() - t:.1f} s, "

@@ -46,7 +46,7 @@ from gpuwatch.core.model import Snapshot
 from gpuwatch.policy.deadlock import Contender, find_deadlock, priority_weight, weighted_fair_share
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
-from gpuwatch.policy.rules import ActionKind, FairShareSplit, Policy
+from gpuwatch.policy.rules import ActionKind, AdmissionOrder, FairShareSplit, Policy
 from gpuwatch.policy.usage import ContainerView
 
 ANY_GPU = -1
@@ -183,10 +183,20 @@ class _Seat:
     """Matched by a rule: it may be queued, paused and continued (others only count as holders)."""
     declared: int = 0
     """Its rule's gpu_memory limit under rescheduling.demand_from_limit: its whole demand."""
+    headroom: float = 1.0
+    """rescheduling.headroom: admitted for held + pending + this fraction of `declared`."""
+
+    @property
+    def promise(self) -> int:
+        """What admission promises it: its declared demand, or (headroom below 100%) its
+        current footprint plus the headroom, capped at the declared demand."""
+        if self.headroom >= 1.0 or not self.declared:
+            return self.declared
+        return min(self.declared, self.held + self.pending + int(self.headroom * self.declared))
 
     @property
     def demand(self) -> int:
-        return max(self.held + self.pending, self.declared)
+        return max(self.held + self.pending, self.promise)
 
 
 class _Round:
@@ -241,7 +251,7 @@ class _Round:
                 self.seats.setdefault(row.gpu_index, []).append(
                     _Seat(key, view, row.gpu_index, row.memory_bytes, pending, event_s, stopped,
                           blocked or key in self.waiting, priorities.get(key, 0), first_seen_s.get(key, t),
-                          managed is None or key in managed, declared)
+                          managed is None or key in managed, declared, policy.rescheduling.headroom)
                 )
 
     # -- deadlocks ---------------------------------------------------------------------
@@ -352,7 +362,10 @@ class _Round:
             for s in live
         }
         unpromised = avail - sum(promised.values()) - sum(s.held for s in seats if s.key in self.checkpointed)
-        order = sorted(live, key=lambda s: (-s.priority, s.arrival_s, s.key))
+        if self.policy.rescheduling.order is AdmissionOrder.SMALLEST:
+            order = sorted(live, key=lambda s: (-s.priority, s.demand, s.arrival_s, s.key))
+        else:
+            order = sorted(live, key=lambda s: (-s.priority, s.arrival_s, s.key))
         admitted: list[_Seat] = []
         waiting: list[_Seat] = []
         line_blocked = False  # someone earlier in line waits: the rest may only backfill within their share
@@ -479,7 +492,7 @@ class _Round:
             base[s.key] = s.held + (s.pending if s.key in admitted_keys else 0)
             started = s.key in admitted_keys or s.held > 0 or (prev[s.key] or 0) > 0
             if started:
-                base[s.key] = max(base[s.key], s.declared)  # admitted for all it declared
+                base[s.key] = max(base[s.key], s.promise)  # admitted for all it declared (or its headroom)
             elif self.policy.rescheduling.gate_new:
                 fresh.add(s.key)  # nothing allocated or admitted yet: its first allocation waits for admission
         if oversubscribed or any(s.key in self.waiting for s in seats):

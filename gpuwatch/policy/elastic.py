@@ -16,10 +16,16 @@ Every round, per GPU with two or more running tenants:
   most once per `elastic.min_dwell` (a tenant arriving or leaving redivides at once);
 * it is carried out by the closed-loop throttle (enforce/duty_cycle.py): while some job yields
   (its share is below the fair one), every tenant but the one with the largest share is
-  throttled to its share, and that one takes what is left; when nobody yields, the elastic
+  throttled to its share, and that one takes what is left (`elastic.throttle: yielding`:
+  only the yielding jobs are throttled, the others share the rest by plain time slicing, so
+  no share below what a job would use is imposed on it); when nobody yields, the elastic
   throttles are released (plain time slicing is already fair);
 * while containers wait for memory on a GPU (rescheduling), nobody there is made to yield:
   a plateaued job that is slowed down holds its memory longer and keeps the queue waiting.
+* with `elastic.contended`, only where the engine is contended: nobody starts yielding on a
+  GPU whose tenants' SM utilisation sums to less than it (the jobs' own idle phases -- input,
+  checkpoints -- already leave the others the time a freeze would give them), and yielding in
+  force ends when the sum falls below half of it.
 
 A read that failed (garbage, a partial write, a missing file) or no new good read within the
 window leaves the job's efficiency unknown for the round: its share is held, never lowered
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress
 from gpuwatch.policy.decisions import Decision, Verb
-from gpuwatch.policy.rules import ElasticSettings
+from gpuwatch.policy.rules import ElasticSettings, ElasticThrottle
 from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.policy.usage import ContainerView
 
@@ -221,14 +227,24 @@ def elastic_round(
         if key not in held_elsewhere:
             for gpu in gpus:
                 by_gpu.setdefault(gpu, []).append(key)
+    busy: dict[int, float] = {}
+    for view in views:
+        for row in view.rows:
+            busy[row.gpu_index] = busy.get(row.gpu_index, 0.0) + row.sm_utilization_ratio
     for gpu, keys in sorted(by_gpu.items()):
-        _gpu_round(run, gpu, sorted(keys), managed, gpu in queued_gpus)
+        _gpu_round(run, gpu, sorted(keys), managed, gpu in queued_gpus, busy.get(gpu, 0.0))
     return ElasticState(run.jobs, run.changed, run.tenants), run.status
 
 
-def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[str], queued: bool) -> None:
+def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[str], queued: bool,
+               busy: float = 1.0) -> None:
     settings = run.settings
     jobs = run.jobs
+    if settings.contended > 0:
+        in_force = any(jobs[k].throttle is not None for k in keys)
+        idle = busy < (settings.contended / 2 if in_force else settings.contended)
+    else:
+        idle = False
     fair = 1.0 / len(keys)
     fixed: dict[str, float] = {}
     efficiencies: dict[str, float] = {}
@@ -264,21 +280,24 @@ def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[
         shares = was
     run.tenants[gpu] = tuple(keys)
     elastic_keys = [k for k in keys if k in efficiencies or roles[k] == "held"]
-    yielding = not queued and any(shares[k] < fair - settings.hysteresis for k in elastic_keys)
+    yielding = not queued and not idle and any(shares[k] < fair - settings.hysteresis for k in elastic_keys)
     top = max(keys, key=lambda k: (shares[k], k in elastic_keys, k)) if keys else None
     for key in keys:
         job = replace(jobs[key], share=shares[key] if len(keys) > 1 else None)
         role = roles[key] or ("gaining" if shares[key] >= fair - settings.hysteresis else "yielding")
         if role == "held":
             role = "yielding" if shares[key] < fair - settings.hysteresis else "gaining"
-        throttle = shares[key] if yielding and key != top and key in managed and role != "fixed" else None
+        held_to_share = key != top if settings.throttle is ElasticThrottle.ALL_BUT_TOP else \
+            key in elastic_keys and shares[key] < fair - settings.hysteresis
+        throttle = shares[key] if yielding and held_to_share and key in managed and role != "fixed" else None
         measured: tuple[tuple[str, float], ...] = (("fair_share", round(fair, 4)),
                                                    ("elastic_share", round(shares[key], 4)))
         if job.efficiency is not None:
             measured += (("growth_efficiency", round(job.efficiency, 4)),)
         reason = _reason(role, job.efficiency, shares[key], fair) if throttle is not None else \
             ("elastic: containers wait for memory on this GPU; plain time slicing until the queue is empty"
-             if queued else "elastic: nobody yields on this GPU; back to plain time slicing")
+             if queued else f"elastic: the GPU's engine is not contended (busy {busy:.0%}); plain time slicing"
+             if idle else "elastic: nobody yields on this GPU; back to plain time slicing")
         if queued and role in ("gaining", "yielding", "plateaued"):
             role = "queue"
         if key in managed and role != "fixed":

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuwatch.core.units import DURATION_FORM, RATIO_FORM, SIZE_FORM
 from gpuwatch.policy import loader
-from gpuwatch.policy.rules import ActionKind, FairShareSplit, LimitKind
+from gpuwatch.policy.rules import ActionKind, AdmissionOrder, ElasticThrottle, FairShareSplit, LimitKind
 
 SCHEMA_ID = "https://github.com/gpuwatch/gpuwatch/blob/main/gpuwatch/policy/policy.schema.json"
 
@@ -142,6 +142,8 @@ FIELD_TYPES: dict[str, dict[str, dict[str, Any]]] = {
         "signal": SIGNAL,
         "gate_new": BOOLEAN,
         "demand_from_limit": BOOLEAN,
+        "order": {"enum": [o.value for o in AdmissionOrder]},
+        "headroom": ratio(1.0),
     },
     "elastic": {
         "enabled": BOOLEAN,
@@ -152,6 +154,8 @@ FIELD_TYPES: dict[str, dict[str, dict[str, Any]]] = {
         "plateau": ratio(1.0),
         "min_gpu_time": DURATION,
         "period": DURATION,
+        "contended": ratio(1.0),
+        "throttle": {"enum": [t.value for t in ElasticThrottle]},
     },
 }
 

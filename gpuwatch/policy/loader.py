@@ -38,8 +38,10 @@ from gpuwatch.policy.rules import (
     DEFAULT_PROTECTED_NAMESPACES,
     ActionKind,
     ActionStep,
+    AdmissionOrder,
     DeadlockSettings,
     ElasticSettings,
+    ElasticThrottle,
     FairShareSettings,
     FairShareSplit,
     LimitKind,
@@ -74,8 +76,9 @@ STEP_KEYS = ("do", "at", "for", "on", "signal", "grace", "share", "repeat")
 TUNING_KEYS = ("hysteresis", "release_after", "min_hold", "max_actions_per_minute")
 DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
 FAIR_SHARE_KEYS = ("enabled", "split")
-RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit")
-ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time", "period")
+RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit", "order", "headroom")
+ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time", "period",
+                "contended", "throttle")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
     "grace": ActionKind.CHECKPOINT_KILL,
@@ -730,6 +733,18 @@ def _parse_rescheduling(reader: _Reader, node: Node) -> ReschedulingSettings | N
     for key in ("gate_new", "demand_from_limit"):
         if key in keys:
             values[key] = reader.boolean(keys[key][1], f"rescheduling.{key}")
+    if "headroom" in keys:
+        values["headroom"] = reader.parsed(keys["headroom"][1], "rescheduling.headroom",
+                                           partial(parse_ratio, maximum=1.0), RATIO_FORM + " up to 100%")
+    if "order" in keys:
+        order_node = keys["order"][1]
+        raw = reader.scalar(order_node) if isinstance(order_node, ScalarNode) else None
+        try:
+            values["order"] = AdmissionOrder(str(raw))
+        except ValueError:
+            reader.issue(order_node, f"rescheduling.order: unknown order {raw!r}",
+                         'write "arrival" (first come, first admitted) or "smallest" (smallest demand first)')
+            values["order"] = None
     ok &= all(v is not None for k, v in values.items() if k != "checkpoint_after_s")
     return ReschedulingSettings(**values) if ok else None  # type: ignore[arg-type]
 
@@ -751,11 +766,21 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
                              f"got {value:g}s", f"e.g. elastic.{key}: {ElasticSettings().__dict__[field_name]:g}s")
                 value = None
             values[field_name] = value
-    ratios = (("floor", "floor", 0.5), ("hysteresis", "hysteresis", 0.5), ("plateau", "plateau", 1.0))
+    ratios = (("floor", "floor", 0.5), ("hysteresis", "hysteresis", 0.5), ("plateau", "plateau", 1.0),
+              ("contended", "contended", 1.0))
     for key, field_name, maximum in ratios:
         if key in keys:
             values[field_name] = reader.parsed(keys[key][1], f"elastic.{key}", partial(parse_ratio, maximum=maximum),
                                                RATIO_FORM + f" up to {maximum:.0%}")
+    if "throttle" in keys:
+        raw = reader.scalar(keys["throttle"][1]) if isinstance(keys["throttle"][1], ScalarNode) else None
+        try:
+            values["throttle"] = ElasticThrottle(str(raw))
+        except ValueError:
+            reader.issue(keys["throttle"][1], f"elastic.throttle: unknown value {raw!r}",
+                         'write "all-but-top" (every tenant but the largest share) or "yielding" (only the jobs '
+                         'that yield)')
+            values["throttle"] = None
     ok = all(v is not None for v in values.values())
     return ElasticSettings(**values) if ok else None  # type: ignore[arg-type]
 

@@ -11,9 +11,11 @@ the most unpromised memory that still holds the job's CUDA context (`context_byt
 context is made at the job's start, before any allocation the kernel probes can stop, so
 it must fit beside every promise -- the arbitration then queues the rest of the job there
 until memory frees (over-admission, with the context as the safety margin). When not even
-the context fits anywhere, None: the job waits at the node (a pending pod). Ties: fewer
-jobs, then the lower index. Deterministic, so a benchmark's modes see the same placement
-for the same arrivals.
+the context fits anywhere, None: the job waits at the node (a pending pod). With
+`queue_on_gpu=False` a job that fits nowhere always waits at the node (late binding: it is
+placed, whole, on the first GPU where its demand fits, instead of queueing behind the jobs
+of the GPU chosen at its arrival). Ties: fewer jobs, then the lower index. Deterministic, so
+a benchmark's modes see the same placement for the same arrivals.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ class GpuLoad:
         return self.capacity_bytes - self.promised_bytes
 
 
-def choose_gpu(demand_bytes: int, gpus: Sequence[GpuLoad], context_bytes: int = 0) -> int | None:
+def choose_gpu(demand_bytes: int, gpus: Sequence[GpuLoad], context_bytes: int = 0, *,
+               queue_on_gpu: bool = True) -> int | None:
     """The index of the GPU a job of `demand_bytes` goes to, or None: it waits at the node
     (see the module docstring). A job placed where it does not fit promises its GPU its
-    context only, until the arbitration admits the rest."""
+    context only, until the arbitration admits the rest; with `queue_on_gpu=False` it is not
+    placed until its demand fits."""
     fitting = [g for g in gpus if g.unpromised_bytes >= demand_bytes]
-    if not fitting:
+    if not fitting and queue_on_gpu:
         fitting = [g for g in gpus if g.unpromised_bytes >= context_bytes]
     if not fitting:
         return None

@@ -173,6 +173,15 @@ class FairShareSettings:
     split: FairShareSplit = FairShareSplit.DEMAND
 
 
+class AdmissionOrder(StrEnum):
+    """Admission order among waiting containers of the same priority (rescheduling.order)."""
+
+    ARRIVAL = "arrival"
+    """First come, first admitted (a later one only backfills where it does not delay it)."""
+    SMALLEST = "smallest"
+    """The smallest memory demand first (shortest-job-first by memory; ties by arrival)."""
+
+
 @dataclass(frozen=True)
 class ReschedulingSettings:
     """Execution rescheduling under fair share: who waits for memory, for how long, and how
@@ -189,6 +198,20 @@ class ReschedulingSettings:
     """A container whose rule sets a gpu_memory limit declares that much as its demand: it is
     admitted for all of it at its first allocation (and waits until all of it fits), so jobs
     that grow never hold part of the GPU while waiting for the rest."""
+    headroom: float = 1.0
+    """With a declared demand: a container is admitted for what it holds and asks now plus this
+    fraction of its declared demand (never more than the declared demand). 1.0 (100%): the
+    whole declared demand at once. Less over-admits (its later growth waits, stopped at the
+    allocation, when the GPU has no room: never OOM)."""
+    order: AdmissionOrder = AdmissionOrder.ARRIVAL
+    """Within a priority, who is admitted first: arrival order, or the smallest demand first."""
+
+
+class ElasticThrottle(StrEnum):
+    """Who the elastic controller throttles while some job yields (elastic.throttle)."""
+
+    ALL_BUT_TOP = "all-but-top"
+    YIELDING = "yielding"
 
 
 @dataclass(frozen=True)
@@ -212,6 +235,15 @@ class ElasticSettings:
     period_s: float = 0.5
     """Freeze/thaw period of the elastic throttles: every freeze costs the GPU the moment it
     takes to give the frozen job's turn to another, so a longer period wastes less."""
+    contended: float = 0.0
+    """Only where the GPU's engine is contended: nobody starts yielding on a GPU whose tenants
+    together are busy less than this fraction of the time (their SM utilisation summed; a
+    freeze there costs the yielding job time and gives the others none they lacked); yielding
+    in force ends when it falls below half of it. 0: always (the default)."""
+    throttle: ElasticThrottle = ElasticThrottle.ALL_BUT_TOP
+    """Who is held to its share while some job yields: every tenant but the one with the largest
+    share (all-but-top), or only the yielding jobs (yielding: the others share the rest of the
+    GPU by plain time slicing, so no share below what a job would use is imposed on it)."""
 
 
 @dataclass(frozen=True)

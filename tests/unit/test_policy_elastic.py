@@ -12,7 +12,7 @@ import math
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress, Snapshot
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.elastic import divide
-from gpuwatch.policy.rules import ElasticSettings
+from gpuwatch.policy.rules import ElasticSettings, ElasticThrottle
 from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
 
 POLICY = """
@@ -40,6 +40,7 @@ class Node:
         self.kernel: dict[str, float] = {}
         self.t = 0.0
         self.garbage: set[str] = set()
+        self.sm: dict[str, float] = {}  # SM utilisation each job reports (NVML's per-process share)
 
     def add(self, name: str, curve: object | None) -> ContainerIdentity:
         who = ident(name)
@@ -53,7 +54,8 @@ class Node:
             self.kernel[name] += dt * (shares or {}).get(name, 1.0 / len(self.jobs))
         rows, progress = [], []
         for name, (who, curve) in self.jobs.items():
-            rows.append(usage(who, kernel_s=self.kernel[name]))
+            rows.append(dataclasses.replace(usage(who, kernel_s=self.kernel[name]),
+                                            sm_utilization_ratio=self.sm.get(name, 0.0)))
             if curve is not None:
                 value = curve(self.kernel[name])  # type: ignore[operator]
                 error = "garbage" if name in self.garbage else ""
@@ -204,3 +206,50 @@ def test_nobody_yields_while_containers_wait_for_memory_on_the_gpu() -> None:
                                   {ident("steep").key, ident("flat").key}, (), state, node.t + 1, emit, queued_gpus={0})
     assert [(d.verb, d.target.container_name) for d in emitted] == [(Verb.RELEASE, "flat")]
     assert {s.role for s in status.values()} == {"queue"}
+
+
+def test_contended_only_yields_where_the_engine_is_busy() -> None:
+    text = POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, contended: 80%}")
+    assert policy(text).elastic.contended == 0.8
+
+    def node(busy: float) -> Node:
+        n = Node(text)
+        n.add("steep", curve_linear(0.01))
+        n.add("flat", curve_exp(3.0))
+        n.sm = {"steep": busy / 2, "flat": busy / 2}
+        return n
+
+    # the two jobs' idle phases leave the engine half free: nobody is frozen for the other
+    idle = run(node(0.5), 12)
+    assert not any(throttles(r) for r in idle)
+    assert idle[-1].elastic_status[ident("flat").key].role == "plateaued"  # measured, but not acted on
+    # the engine is saturated: the plateaued job yields as without the setting
+    busy = run(node(1.0), 12)
+    decided = [throttles(r) for r in busy if throttles(r)]
+    assert decided and list(decided[0]) == ["flat"], decided
+    # the throttle in force lowered the engine's use, but not below half of the threshold: it stays;
+    # below it, it is released
+    n = node(1.0)
+    run(n, 12)
+    n.sm = {"steep": 0.4, "flat": 0.05}
+    kept = run(n, 2)
+    assert all(r.state.elastic.jobs[ident("flat").key].throttle is not None for r in kept)
+    n.sm = {"steep": 0.2, "flat": 0.05}
+    released = run(n, 1)[0]
+    assert throttles(released) == {"flat": None}
+
+
+def test_throttle_yielding_holds_only_the_jobs_that_yield() -> None:
+    def decided(throttle: str) -> set[str]:
+        n = Node(POLICY.replace("min_gpu_time: 0.2s}", f"min_gpu_time: 0.2s, throttle: {throttle}}}"))
+        n.add("steep", curve_linear(0.01))
+        n.add("flat", curve_exp(3.0))
+        n.add("blind", None)  # no progress input: keeps its fair share
+        return {name for r in run(n, 12) for name, share in throttles(r).items() if share is not None}
+
+    # the default holds every tenant but the largest share to its share, the job without
+    # progress input too; `yielding` throttles only the plateaued one
+    assert decided("all-but-top") == {"flat", "blind"}
+    assert decided("yielding") == {"flat"}
+    assert policy(POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, throttle: yielding}")
+                  ).elastic.throttle is ElasticThrottle.YIELDING

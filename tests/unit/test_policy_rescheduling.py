@@ -231,3 +231,68 @@ def test_static_split_admits_one_of_several_that_ask_at_once() -> None:
     # where every 3 GiB job waits for a 2 GiB equal part)
     assert moves(result) == [("release", "j0", True), ("release", "j1", True),
                              ("pause", "j2", False), ("pause", "j3", False)]
+
+
+def test_smallest_first_admits_a_later_small_job_before_an_earlier_big_one() -> None:
+    big_rule = """
+fair_share: {enabled: true, split: demand}
+deadlock: {enabled: false}
+rescheduling: {order: ORDER}
+rules:
+  - name: big
+    match: {namespace: big}
+    limits: {gpu_memory: 6GiB}
+  - name: jobs
+    match: {namespace: ml}
+    limits: {gpu_memory: 2GiB}
+"""
+    holder, big, small = ident("holder"), ident("big", namespace="big"), ident("small")
+
+    def run(order: str) -> list[tuple[str, str, bool]]:
+        d = Driver(policy(big_rule.replace("ORDER", order)))
+        d.step(snap(1.0, usage(holder, 2 * GIB), total=8 * GIB, free=6 * GIB))
+        d.step(snap(2.0, usage(holder, 2 * GIB), usage(big, 0), total=8 * GIB, free=6 * GIB))
+        d.step(snap(3.0, usage(holder, 2 * GIB), usage(big, 0), usage(small, 0), total=8 * GIB, free=6 * GIB))
+        # both ask at once: 6 + 2 GiB declared on the 6 unpromised -- one of them waits
+        events = [stop(big, 3.5, GIB), stop(small, 3.6, GIB)]
+        return moves(d.step(snap(4.0, usage(holder, 2 * GIB), usage(big, 0), usage(small, 0), total=8 * GIB,
+                                 free=6 * GIB), events))
+
+    assert run("arrival") == [("release", "big", True), ("pause", "small", False)]
+    assert run("smallest") == [("release", "small", True), ("pause", "big", False)]
+
+
+def test_headroom_admits_the_current_footprint_and_later_growth_waits_instead_of_oom() -> None:
+    text = DECLARED.replace("SPLIT", "demand").replace("deadlock: {enabled: false}",
+                                                       "deadlock: {enabled: false}\nrescheduling: {headroom: 25%}")
+    assert policy(text).rescheduling.headroom == 0.25
+    a = ident("a")
+    # a holds all of its 5 GiB; c's first allocation (1 GiB) is admitted for 1 + 25% of 5 GiB,
+    # although its declared 5 GiB do not fit beside a's
+    c = ident("c")
+    d2 = Driver(policy(text.replace("3GiB", "5GiB")))
+    d2.step(snap(1.0, usage(a, 5 * GIB), usage(c, 0), total=8 * GIB, free=3 * GIB))
+    d2.step(snap(2.0, usage(a, 5 * GIB), usage(c, 0), total=8 * GIB, free=3 * GIB), [stop(c, 1.9, GIB)])
+    admitted = d2.step(snap(3.0, usage(a, 5 * GIB), usage(c, 0), total=8 * GIB, free=3 * GIB))
+    assert ("release", "c", True) in moves(admitted)
+    assert admitted.effective_limits_bytes[c.key] < 5 * GIB
+    assert sum(admitted.effective_limits_bytes.values()) <= 8 * GIB
+    # c grows past what the GPU has left beside a: its allocation is stopped and waits (never OOM)
+    grown = d2.step(snap(4.0, usage(a, 5 * GIB), usage(c, 2 * GIB), total=8 * GIB, free=GIB), [stop(c, 3.9, 2 * GIB)])
+    assert moves(grown) == [("pause", "c", False)]
+    assert sum(grown.effective_limits_bytes.values()) <= 8 * GIB
+    # the holder ends: c's growth is admitted
+    resumed = d2.step(snap(5.0, usage(c, 2 * GIB), total=8 * GIB, free=6 * GIB))
+    assert moves(resumed) == [("release", "c", True)]
+
+
+def test_headroom_of_100_percent_is_the_whole_declared_demand() -> None:
+    full = DECLARED.replace("SPLIT", "demand").replace("deadlock: {enabled: false}",
+                                                       "deadlock: {enabled: false}\nrescheduling: {headroom: 100%}")
+    d = Driver(policy(full))
+    jobs = [ident(f"j{i}") for i in range(4)]
+    d.step(snap(1.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB))
+    events = [stop(j, 1.5 + i / 10, GIB) for i, j in enumerate(jobs)]
+    result = d.step(snap(2.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB), events)
+    assert [m for m in moves(result) if m[0] == "release"] == [("release", "j0", True), ("release", "j1", True)]
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from gpuwatch.policy.loader import check_policy_text
-from gpuwatch.policy.rules import ElasticSettings, FairShareSplit, ReschedulingSettings
+from gpuwatch.policy.rules import AdmissionOrder, ElasticSettings, ElasticThrottle, FairShareSplit, ReschedulingSettings
 
 RULES = "rules:\n  - name: all\n    match: {default: true}\n"
 
@@ -50,3 +50,23 @@ def test_errors_name_the_line_and_the_fix() -> None:
     assert any("elastic.window must be between 1s and 3600s, got 0.2s" in m for m in messages)
     assert any("elastic.floor" in m and "50%" in m for m in messages)
     assert any("unknown key 'plateaux'" in m and "did you mean 'plateau'" in m for m in messages)
+
+
+def test_admission_order_headroom_and_contended() -> None:
+    policy, issues = check_policy_text(
+        "rescheduling: {order: smallest, headroom: 30%}\n"
+        "elastic: {enabled: true, contended: 0.85, throttle: yielding}\n" + RULES)
+    assert policy is not None, [str(i) for i in issues]
+    assert policy.rescheduling.order is AdmissionOrder.SMALLEST and policy.rescheduling.headroom == 0.3
+    assert policy.elastic.contended == 0.85 and policy.elastic.throttle is ElasticThrottle.YIELDING
+    assert ReschedulingSettings().order is AdmissionOrder.ARRIVAL and ReschedulingSettings().headroom == 1.0
+    assert ElasticSettings().contended == 0.0 and ElasticSettings().throttle is ElasticThrottle.ALL_BUT_TOP
+    bad, issues = check_policy_text(
+        "rescheduling: {order: biggest, headroom: 150%}\nelastic: {contended: 2, throttle: nobody}\n" + RULES,
+        "p.yaml")
+    assert bad is None
+    messages = [str(i) for i in issues]
+    assert any(m.startswith("p.yaml:1: rescheduling.order: unknown order 'biggest'") for m in messages), messages
+    assert any(m.startswith("p.yaml:1: rescheduling.headroom") for m in messages), messages
+    assert any(m.startswith("p.yaml:2: elastic.contended") for m in messages), messages
+    assert any(m.startswith("p.yaml:2: elastic.throttle: unknown value 'nobody'") for m in messages), messages
