@@ -199,28 +199,40 @@ class _Seat:
         return max(self.held + self.pending, self.promise)
 
 
+@dataclass(frozen=True)
+class ArbitrationInput:
+    """Everything one round of memory arbitration reads.
+
+    `managed`: keys of the containers a rule matches (None: all); only they are queued,
+    paused and continued, the others' memory just counts. `strict_limits`: keys whose rule
+    has a pause/checkpoint/kill step on gpu_memory (None: every limit is strict): a request
+    over such a limit is left to that ladder."""
+
+    policy: Policy
+    snapshot: Snapshot
+    views: Sequence[ContainerView]
+    priorities: Mapping[str, int]
+    events: Sequence[ProbeEvent]
+    limits_by_key: Mapping[str, int]
+    first_seen_s: Mapping[str, float]
+    prev: ArbitrationState
+    t: float
+    emit: Emit
+    managed: Collection[str] | None = None
+    strict_limits: Collection[str] | None = None
+
+
 class _Round:
-    def __init__(
-        self,
-        policy: Policy,
-        snapshot: Snapshot,
-        views: Sequence[ContainerView],
-        priorities: Mapping[str, int],
-        events: Sequence[ProbeEvent],
-        limits_by_key: Mapping[str, int],
-        first_seen_s: Mapping[str, float],
-        prev: ArbitrationState,
-        t: float,
-        emit: Emit,
-        managed: Collection[str] | None,
-        strict_limits: Collection[str] | None,
-    ) -> None:
-        self.policy, self.snapshot, self.t, self.emit = policy, snapshot, t, emit
+    def __init__(self, inputs: ArbitrationInput) -> None:
+        policy, t, views, prev = inputs.policy, inputs.t, inputs.views, inputs.prev
+        limits_by_key, priorities, first_seen_s, managed = (inputs.limits_by_key, inputs.priorities,
+                                                           inputs.first_seen_s, inputs.managed)
+        self.policy, self.snapshot, self.t, self.emit = policy, inputs.snapshot, t, inputs.emit
         self.prev = prev
         self.limits_by_key = limits_by_key
-        self.strict_limits = strict_limits
+        self.strict_limits = inputs.strict_limits
         self.by_key = {v.identity.key: v for v in views}
-        self.recent = events_by_key(views, events, t - policy.deadlock.blocked_window_s)
+        self.recent = events_by_key(views, inputs.events, t - policy.deadlock.blocked_window_s)
         self.admitted = {k: v for k, v in prev.admitted_events_s.items() if k in self.by_key}
         self.waiting = {k: w for k, w in prev.waiting.items() if k in self.by_key}
         self.checkpointed = {k for k in prev.checkpointed if k in self.by_key}
@@ -558,27 +570,10 @@ class _Round:
         )
 
 
-def arbitrate_memory(
-    policy: Policy,
-    snapshot: Snapshot,
-    views: Sequence[ContainerView],
-    priorities: Mapping[str, int],
-    events: Sequence[ProbeEvent],
-    limits_by_key: Mapping[str, int],
-    first_seen_s: Mapping[str, float],
-    prev: ArbitrationState,
-    t: float,
-    emit: Emit,
-    managed: Collection[str] | None = None,
-    strict_limits: Collection[str] | None = None,
-) -> ArbitrationResult:
-    """One round of memory arbitration over every GPU the snapshot's containers use.
-    `managed`: keys of the containers a rule matches (None: all); only they are queued,
-    paused and continued, the others' memory just counts. `strict_limits`: keys whose rule
-    has a pause/checkpoint/kill step on gpu_memory (None: every limit is strict): a request
-    over such a limit is left to that ladder."""
-    run = _Round(policy, snapshot, views, priorities, events, limits_by_key, first_seen_s, prev, t, emit, managed,
-                 strict_limits)
+def arbitrate_memory(inputs: ArbitrationInput) -> ArbitrationResult:
+    """One round of memory arbitration over every GPU the snapshot's containers use."""
+    run = _Round(inputs)
+    policy = inputs.policy
     for gpu in sorted(run.seats):
         seats = run.seats[gpu]
         run.deadlock(gpu, seats)

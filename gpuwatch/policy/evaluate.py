@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from gpuwatch.core.model import ContainerIdentity, Snapshot
 from gpuwatch.policy.arbitration import (
     ANY_GPU,
+    ArbitrationInput,
     ArbitrationState,
     MemoryStatus,
     arbitrate_memory,
@@ -413,8 +414,9 @@ def evaluate(
                 quota_members.setdefault((index, ns), []).append((view, priorities[key], m))
     for (index, ns), members in quota_members.items():
         _apply_quota(run, policy.namespace_quotas[index], ns, members, shares)
-    memory = arbitrate_memory(policy, snapshot, views, priorities, probe_events, limits_by_key, first_seen,
-                              state.memory, t, run.emit, managed=set(rules_by_target), strict_limits=strict_limits)
+    memory = arbitrate_memory(ArbitrationInput(policy, snapshot, views, priorities, probe_events, limits_by_key,
+                                               first_seen, state.memory, t, run.emit, managed=set(rules_by_target),
+                                               strict_limits=strict_limits))
     held_elsewhere = set(memory.state.waiting) | set(memory.state.checkpointed) | set(run.reversible)
     progress = {p.identity.key: p for p in snapshot.progress}
     queued_gpus = {w.gpu_index for w in memory.state.waiting.values()}

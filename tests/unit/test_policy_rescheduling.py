@@ -5,7 +5,7 @@ more than the GPU, waiting requests survive their event, the checkpoint deadline
 
 from __future__ import annotations
 
-from gpuwatch.policy.arbitration import ArbitrationState, arbitrate_memory
+from gpuwatch.policy.arbitration import ArbitrationInput, ArbitrationState, arbitrate_memory
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
 from gpuwatch.policy.usage import group_containers
@@ -50,8 +50,9 @@ def test_priority_goes_before_arrival() -> None:
     views = group_containers([usage(lo, GIB), usage(hi, GIB)])
     events = [stop(lo, 1.5, 4 * GIB), stop(hi, 1.6, 4 * GIB)]
     emitted: list[Decision] = []
-    arbitrate_memory(pol, snap(2.0, total=8 * GIB, free=6 * GIB), views, {lo.key: 1, hi.key: 9}, events, {},
-                     {lo.key: 1.0, hi.key: 2.0}, ArbitrationState(), 2.0, lambda d: emitted.append(d) or d)
+    arbitrate_memory(ArbitrationInput(pol, snap(2.0, total=8 * GIB, free=6 * GIB), views, {lo.key: 1, hi.key: 9},
+                                      events, {}, {lo.key: 1.0, hi.key: 2.0}, ArbitrationState(), 2.0,
+                                      lambda d: emitted.append(d) or d))
     assert [(d.verb.value, d.target.container_name) for d in emitted] == [("release", "hi"), ("pause", "lo")]
 
 
@@ -150,13 +151,13 @@ def test_no_deadlock_under_fair_share_while_a_holder_still_runs() -> None:
         emitted.append(decision)
         return decision
 
-    result = arbitrate_memory(pol, snap(1.0, total=8 * GIB, free=2 * GIB), views, {}, events, {}, {},
-                              ArbitrationState(), 1.0, emit)
+    result = arbitrate_memory(ArbitrationInput(pol, snap(1.0, total=8 * GIB, free=2 * GIB), views, {}, events, {}, {},
+                                               ArbitrationState(), 1.0, emit))
     assert result.detected == 0 and [d.verb for d in emitted] == [Verb.PAUSE, Verb.PAUSE]
     # c gone: a and b wait for each other with nothing running -> a deadlock, one is killed
     views = group_containers([usage(a, 2 * GIB), usage(b, 2 * GIB)])
-    result = arbitrate_memory(pol, snap(2.0, total=6 * GIB, free=2 * GIB), views, {}, events, {}, {}, result.state,
-                              2.0, emit)
+    result = arbitrate_memory(ArbitrationInput(pol, snap(2.0, total=6 * GIB, free=2 * GIB), views, {}, events, {}, {},
+                                               result.state, 2.0, emit))
     assert result.detected == 1 and emitted[-1].verb is Verb.KILL
 
 
