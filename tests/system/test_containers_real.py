@@ -314,12 +314,13 @@ def test_agent_daemon_in_its_own_cgroup_namespace(tmp_path: Path) -> None:
                 trainer = p.by_pod("trainer-0")
                 others = [c for c in p.containers if c is not trainer]
 
-                def attributed() -> bool:
+                def attributed() -> bool:  # both sides: the probes' counters and NVML's sample, which may lag
                     text = scrape(port)
                     return all(sample(text, "gpuwatch_container_allocated_bytes", pod=w.pod) is not None
+                               and sample(text, "gpuwatch_container_memory_bytes", pod=w.pod) is not None
                                for w in demo.DEFAULT_WORKLOADS)
 
-                wait_until(attributed, 30, "the probes' counters with pod labels")
+                wait_until(attributed, 30, "the probes' counters and NVML's memory with pod labels")
                 text = scrape(port)
                 # our pods' counters carry their pods, never a bare cgroup id (other tests' gone
                 # cgroups may still show up as cgroup-id:<n> on a shared machine)
