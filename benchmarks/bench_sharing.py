@@ -574,6 +574,10 @@ def main() -> int:
                              "(elastic.contended)")
     parser.add_argument("--elastic-throttle", choices=("all-but-top", "yielding"), default="all-but-top",
                         help="elastic: who is held to its share while a job yields (elastic.throttle)")
+    parser.add_argument("--kernel-host", choices=("sleep", "spin"), default="sleep",
+                        help="what a simulated kernel does to its host thread (gpuwatch sim up --kernel-host): sleep "
+                             "(default: the node's GPUs cost no host CPU, as on a real node with 8+ cores per GPU) "
+                             "or spin (each busy GPU takes one of this machine's cores)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -599,7 +603,8 @@ def main() -> int:
     started = time.monotonic()
     try:
         with ExitStack() as stack:
-            sim = simnode.up(name=f"bench{os.getpid()}", root=work / "simroot", devices=GPUS, memory_bytes=8 * GIB)
+            sim = simnode.up(name=f"bench{os.getpid()}", root=work / "simroot", devices=GPUS, memory_bytes=8 * GIB,
+                             kernel_host=args.kernel_host)
             stack.callback(simnode.down, sim.name)
             dirs = demo.default_lab_dirs(work / "lab")
             lab = stack.enter_context(ContainerLab(**dirs))

@@ -95,6 +95,9 @@ def sim() -> None:
 )
 @_choice("--nvml-cost", ["off", "h100-580"],
          "CPU each fake NVML call burns in the caller: off, or what the call took on an H100 with driver 580.")
+@_choice("--kernel-host", ["spin", "sleep"],
+         "What a running kernel does to its host thread: spin (one host CPU per busy GPU) or sleep (the GPU's "
+         "work costs the host nothing, as on a node with enough cores per GPU).")
 def up_cmd(
     name: str,
     devices: int,
@@ -107,6 +110,7 @@ def up_cmd(
     timeslice_ms: float,
     sample_period_ms: float,
     nvml_cost: str,
+    kernel_host: str,
 ) -> None:
     """Bring a simulated node up (re-creating it resets its ledger and kernel log).
 
@@ -114,7 +118,9 @@ def up_cmd(
     co-tenants take turns every --timeslice-ms of run time (waiting is not busy time, so
     a GPU's utilisation never exceeds 100%); with --mps N up to N contexts run at once.
     NVML's per-process samples follow the real driver's: one per --sample-period-ms period a
-    process ran in, a ring of 72; --nvml-cost h100-580 makes every NVML call cost its real CPU."""
+    process ran in, a ring of 72; --nvml-cost h100-580 makes every NVML call cost its real CPU.
+    A running kernel spins its host thread (--kernel-host spin: one host CPU per busy GPU) or
+    sleeps (sleep: for many busy GPUs on a machine with few cores)."""
     from gpuwatch.sim import node as simnode
 
     n = simnode.up(
@@ -129,11 +135,13 @@ def up_cmd(
         timeslice_ms=timeslice_ms,
         sample_period_ms=sample_period_ms,
         nvml_cost=nvml_cost,
+        kernel_host=kernel_host,
     )
     sharing = f"MPS-like, {mps} contexts at once" if mps > 1 else f"time-sliced every {n.timeslice_ms:g} ms"
     click.echo(f"sim node {n.name!r} up: {n.device_count} x gpuwatch-sim {model}, {memory} each, {topology}, "
                f"{sharing}")
-    click.echo(f"  nvml samples every {n.sample_period_ms:.1f} ms (ring of 72), call cost model: {n.nvml_cost}")
+    click.echo(f"  nvml samples every {n.sample_period_ms:.1f} ms (ring of 72), call cost model: {n.nvml_cost}, "
+               f"kernels {n.kernel_host} on the host")
     click.echo(f"  state  {n.state_path}")
     click.echo(f"  root   {n.root}  (device nodes in {n.dev_dir})")
     click.echo(f"  kmsg   {n.kmsg_path}  (Xid kernel-log records)")

@@ -59,6 +59,11 @@ SAMPLE_RING_PERIODS = 72  # SIM_SAMPLE_RING
 # What each fake NVML call costs in CPU of the calling thread (csrc/nvml.c "cost model"):
 # "off" (default) or "h100-580" (an H100 with driver 580, ../shared/real-gpu/README.md section 3).
 NVML_COST_MODELS = {"off": 0, "h100-580": 1}
+# What a running kernel does to the host thread that launched it (csrc/simstate.h
+# SIM_KERNEL_HOST_*): "spin" (default) burns one host CPU per busy GPU; "sleep" sleeps in
+# 0.5 ms steps -- a node with enough host CPU per GPU, as real nodes have (8-16+ cores per
+# GPU), where many busy simulated GPUs on a small machine do not slow each other's jobs.
+KERNEL_HOST_MODES = {"spin": 0, "sleep": 1}
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class SimNode:
     timeslice_ms: float = DEFAULT_TIMESLICE_MS  # run time after which a kernel yields to waiters
     sample_period_ms: float = DEFAULT_SAMPLE_PERIOD_MS  # NVML process-utilisation sample period
     nvml_cost: str = "off"  # one of NVML_COST_MODELS: CPU each fake NVML call burns
+    kernel_host: str = "spin"  # one of KERNEL_HOST_MODES: what a kernel does to its host thread
 
     @property
     def dev_dir(self) -> Path:
@@ -254,10 +260,11 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_uint,
             ctypes.c_uint,
         ]
-        lib.gpuwatchsim_configure.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint]
+        lib.gpuwatchsim_configure.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_uint]
         lib.gpuwatchsim_settings.argtypes = [
             ctypes.c_char_p,
             ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.POINTER(ctypes.c_uint),
             ctypes.POINTER(ctypes.c_uint),
         ]
         lib.gpuwatchsim_replay.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong]
@@ -313,6 +320,7 @@ def up(
     timeslice_ms: float = DEFAULT_TIMESLICE_MS,
     sample_period_ms: float = DEFAULT_SAMPLE_PERIOD_MS,
     nvml_cost: str = "off",
+    kernel_host: str = "spin",
 ) -> SimNode:
     """Create (or re-create) a simulated node and return it.
 
@@ -329,7 +337,8 @@ def up(
     run time; N > 1 is MPS-like (up to N at once, each at full speed). `sample_period_ms`
     is the NVML process-utilisation sample period (default 1/6 s, see
     DEFAULT_SAMPLE_PERIOD_MS; 10..1000 ms); `nvml_cost` ("off" or "h100-580") makes every
-    fake NVML call on the node burn the CPU the real call took (README "NVML cost model"). Re-creating a node
+    fake NVML call on the node burn the CPU the real call took (README "NVML cost model"); `kernel_host`
+    ("spin" or "sleep", KERNEL_HOST_MODES) is what a running kernel does to its host thread. Re-creating a node
     that is up resets its ledger and empties its kernel log (`kmsg_path`): processes of
     the old node keep their mapping of the old (unlinked) file and are no longer seen."""
     _check_name(name)
@@ -354,6 +363,8 @@ def up(
         raise SimError(f"sample period of {sample_period_ms} ms is out of range", fix="pass 10 to 1000 ms")
     if nvml_cost not in NVML_COST_MODELS:
         raise SimError(f"unknown NVML cost model {nvml_cost!r}", fix=f"use one of {', '.join(NVML_COST_MODELS)}")
+    if kernel_host not in KERNEL_HOST_MODES:
+        raise SimError(f"unknown kernel host mode {kernel_host!r}", fix=f"use one of {', '.join(KERNEL_HOST_MODES)}")
     libs = build_sim_libraries()
     state = state_path or state_path_for(name)
     sim_root = root or root_for(name)
@@ -392,7 +403,8 @@ def up(
             f"cannot create the sim state file {state}: {os.strerror(-rc)}",
             fix="check that /dev/shm is writable",
         )
-    rc = _helper(libs).gpuwatchsim_configure(str(state).encode(), sample_period_ns, NVML_COST_MODELS[nvml_cost])
+    rc = _helper(libs).gpuwatchsim_configure(str(state).encode(), sample_period_ns, NVML_COST_MODELS[nvml_cost],
+                                             KERNEL_HOST_MODES[kernel_host])
     if rc < 0:
         raise SimError(f"cannot configure the sim state file {state}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
     node = SimNode(
@@ -406,6 +418,7 @@ def up(
         timeslice_ms=timeslice_us / 1000,
         sample_period_ms=sample_period_ns / 1e6,
         nvml_cost=nvml_cost,
+        kernel_host=kernel_host,
     )
     info = {
         "name": name,
@@ -423,6 +436,7 @@ def up(
         "timeslice_ms": timeslice_us / 1000,
         "sample_period_ms": sample_period_ns / 1e6,
         "nvml_cost": nvml_cost,
+        "kernel_host": kernel_host,
         "kmsg": str(node.kmsg_path),
     }
     (sim_root / "node.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -449,10 +463,12 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
     info = _EngineInfo()
     rc = _helper(libs).gpuwatchsim_engine(str(state).encode(), 0, ctypes.byref(info))
     mps, timeslice_ms = (info.lanes, info.timeslice_us / 1000) if rc == 0 else (1, DEFAULT_TIMESLICE_MS)
-    period_ns, cost = ctypes.c_ulonglong(0), ctypes.c_uint(0)
-    rc = _helper(libs).gpuwatchsim_settings(str(state).encode(), ctypes.byref(period_ns), ctypes.byref(cost))
+    period_ns, cost, host = ctypes.c_ulonglong(0), ctypes.c_uint(0), ctypes.c_uint(0)
+    rc = _helper(libs).gpuwatchsim_settings(str(state).encode(), ctypes.byref(period_ns), ctypes.byref(cost),
+                                            ctypes.byref(host))
     sample_period_ms = period_ns.value / 1e6 if rc == 0 else DEFAULT_SAMPLE_PERIOD_MS
     nvml_cost = next((k for k, v in NVML_COST_MODELS.items() if v == cost.value), "off")
+    kernel_host = next((k for k, v in KERNEL_HOST_MODES.items() if v == host.value and rc == 0), "spin")
     return SimNode(
         name=name,
         state_path=state,
@@ -464,6 +480,7 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
         timeslice_ms=timeslice_ms,
         sample_period_ms=sample_period_ms,
         nvml_cost=nvml_cost,
+        kernel_host=kernel_host,
     )
 
 

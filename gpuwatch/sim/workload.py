@@ -337,9 +337,11 @@ class Workload:
                 self._work_complete = True
                 return True
             # next kernel when busy / duty of wall time has passed (busy = the runnable
-            # time the launch took, what the stub credits), so busy / wall == duty
-            # however long launches or wake-ups took; at most 0.5 s of backlog
-            self._next_kernel = max(self._next_kernel + (_runnable_s() - r0) / spec.duty, time.monotonic() - 0.5)
+            # time the launch took, what the stub credits; at least the kernel's duration,
+            # which is what it credits on a node whose kernels sleep), so busy / wall ==
+            # duty however long launches or wake-ups took; at most 0.5 s of backlog
+            busy_s = max(_runnable_s() - r0, kernel_us / 1e6)
+            self._next_kernel = max(self._next_kernel + busy_s / spec.duty, time.monotonic() - 0.5)
 
     def _pause(self, until: float) -> bool:
         """A GPU-idle pause (checkpoint save, evaluation on the host) of `pause_s`, within the

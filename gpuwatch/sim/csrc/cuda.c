@@ -2282,7 +2282,9 @@ static void engine_release(struct engine_hold *hd, int slot)
  * (schedstat run_delay). So CPU contention on the host does not distort the
  * simulated GPU's utilisation, while a frozen or stopped process -- neither running
  * nor runnable -- accrues nothing. Busy time is credited as it accrues, at the wall
- * time it accrues.
+ * time it accrues. On a node whose kernels sleep (header.kernel_host, simstate.h
+ * SIM_KERNEL_HOST_SLEEP) the thread sleeps in short steps instead of spinning, and the
+ * time asleep counts too, capped per step: the GPU's work then costs no host CPU.
  *
  * The kernel runs only while its thread holds the device's execution engine
  * (simstate.h): it waits (asleep) for it, renews it on every step of the spin, hands it
@@ -2321,14 +2323,36 @@ static CUresult run_kernel(uint64_t duration_us)
     }
     uint64_t bucket = sim_realtime_ns() / SIM_BUCKET_NS;
     uint64_t period_ns = sim_sample_period_ns(g_sim.hdr), period = sim_realtime_ns() / period_ns;
+    int sleeping = __atomic_load_n(&g_sim.hdr->kernel_host, __ATOMIC_RELAXED) == SIM_KERNEL_HOST_SLEEP;
     while (done < target) {
-        uint64_t x = g_sink;
-        for (int i = 0; i < 20000; i++)
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        g_sink = x;
+        uint64_t step_ns = 0, w0 = 0;
+        if (sleeping) {
+            /* a step of GPU time that costs the host nothing (simstate.h SIM_KERNEL_HOST_SLEEP) */
+            step_ns = target - done;
+            if (step_ns > SIM_KERNEL_SLEEP_STEP_NS)
+                step_ns = SIM_KERNEL_SLEEP_STEP_NS;
+            if (slice < timeslice && step_ns > timeslice - slice)
+                step_ns = timeslice - slice;
+            w0 = sim_monotonic_ns();
+            struct timespec ts = {0, (long)step_ns};
+            (void)nanosleep(&ts, NULL);
+        } else {
+            uint64_t x = g_sink;
+            for (int i = 0; i < 20000; i++)
+                x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            g_sink = x;
+        }
         struct runnable r;
         read_runnable(sfd, &r);
-        uint64_t d = head + (r.cpu_ns - r0.cpu_ns) + (r.delay_ns >= r0.delay_ns ? r.delay_ns - r0.delay_ns : 0);
+        uint64_t ran = (r.cpu_ns - r0.cpu_ns) + (r.delay_ns >= r0.delay_ns ? r.delay_ns - r0.delay_ns : 0);
+        uint64_t d = head + ran;
+        if (sleeping) {
+            /* the time asleep counts, up to the step asked for (+ the timer's slack): a thread
+             * frozen or stopped in its sleep was not running on the GPU meanwhile */
+            uint64_t wall = sim_monotonic_ns() - w0, asleep = wall > ran ? wall - ran : 0;
+            uint64_t cap = step_ns + SIM_KERNEL_SLEEP_SLACK_NS;
+            d += asleep < cap ? asleep : cap;
+        }
         r0 = r;
         head = 0;
         uint64_t now = sim_realtime_ns();

@@ -2161,6 +2161,7 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
     h->topology = topology;
     h->sample_period_ns = SIM_DEFAULT_SAMPLE_PERIOD_NS;
     h->nvml_cost = SIM_NVML_COST_OFF;
+    h->kernel_host = SIM_KERNEL_HOST_SPIN;
     /* stable, obviously-fake identities derived from the node name */
     uint32_t seed = 2166136261u;
     for (const char *c = node_name; *c; c++)
@@ -2200,11 +2201,13 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
 }
 
 /* Settings of a node that is up (gpuwatch/sim/node.py up): the NVML sample period (ns,
- * 0: keep) and the cost model (SIM_NVML_COST_*). Returns 0 or -errno. */
+ * 0: keep), the cost model (SIM_NVML_COST_*) and what a kernel does to its host thread
+ * (SIM_KERNEL_HOST_*). Returns 0 or -errno. */
 static int helper_open(const char *path, struct sim_handle *h);
-API int gpuwatchsim_configure(const char *path, unsigned long long sample_period_ns, unsigned nvml_cost)
+API int gpuwatchsim_configure(const char *path, unsigned long long sample_period_ns, unsigned nvml_cost,
+                              unsigned kernel_host)
 {
-    if (!path || nvml_cost > SIM_NVML_COST_H100_580 ||
+    if (!path || nvml_cost > SIM_NVML_COST_H100_580 || kernel_host > SIM_KERNEL_HOST_SLEEP ||
         (sample_period_ns && (sample_period_ns < SIM_MIN_SAMPLE_PERIOD_NS || sample_period_ns > SIM_MAX_SAMPLE_PERIOD_NS)))
         return -EINVAL;
     struct sim_handle h;
@@ -2214,13 +2217,15 @@ API int gpuwatchsim_configure(const char *path, unsigned long long sample_period
     if (sample_period_ns)
         __atomic_store_n(&h.hdr->sample_period_ns, (uint64_t)sample_period_ns, __ATOMIC_RELEASE);
     __atomic_store_n(&h.hdr->nvml_cost, nvml_cost, __ATOMIC_RELEASE);
+    __atomic_store_n(&h.hdr->kernel_host, kernel_host, __ATOMIC_RELEASE);
     return 0;
 }
 
-/* The node's NVML sample period (ns) and cost model. Returns 0 or -errno. */
-API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period_ns, unsigned *nvml_cost)
+/* The node's NVML sample period (ns), cost model and kernel host mode. Returns 0 or -errno. */
+API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period_ns, unsigned *nvml_cost,
+                             unsigned *kernel_host)
 {
-    if (!path || !sample_period_ns || !nvml_cost)
+    if (!path || !sample_period_ns || !nvml_cost || !kernel_host)
         return -EINVAL;
     struct sim_handle h;
     int rc = helper_open(path, &h);
@@ -2228,6 +2233,7 @@ API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period
         return rc;
     *sample_period_ns = sim_sample_period_ns(h.hdr);
     *nvml_cost = __atomic_load_n(&h.hdr->nvml_cost, __ATOMIC_ACQUIRE);
+    *kernel_host = __atomic_load_n(&h.hdr->kernel_host, __ATOMIC_ACQUIRE);
     return 0;
 }
 

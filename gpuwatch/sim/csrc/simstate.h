@@ -91,6 +91,19 @@
 #define SIM_NVML_COST_OFF 0u
 #define SIM_NVML_COST_H100_580 1u /* H100, driver 580 (../shared/real-gpu/README.md section 3) */
 
+/* What a running kernel does to its launching host thread (header.kernel_host; cuda.c
+ * run_kernel). spin: the thread spins until it has been runnable the kernel's duration, so
+ * each busy simulated GPU takes one host CPU (a 2-core machine runs two at full speed).
+ * sleep: it sleeps in steps of at most SIM_KERNEL_SLEEP_STEP_NS, renewing the engine
+ * between them, and a step counts as kernel time for as long as it slept (capped at the
+ * step + SIM_KERNEL_SLEEP_SLACK_NS: a thread frozen or stopped in its sleep accrues no
+ * more) plus its runnable time -- a node with enough host CPU per GPU, as real nodes have,
+ * where the GPU's own work costs the host nothing. */
+#define SIM_KERNEL_HOST_SPIN 0u
+#define SIM_KERNEL_HOST_SLEEP 1u
+#define SIM_KERNEL_SLEEP_STEP_NS 500000ULL
+#define SIM_KERNEL_SLEEP_SLACK_NS 200000ULL
+
 /* execution engine (see the comment at the top) */
 #define SIM_MAX_LANES 8                    /* MPS-like mode: at most this many contexts at once */
 #define SIM_ENGINE_STALE_US 20000ULL       /* a holder silent this long loses the engine */
@@ -234,7 +247,7 @@ struct sim_header {
     uint64_t kmsg_seq;            /* next sequence number of a <root>/kmsg record */
     uint64_t sample_period_ns;    /* NVML sample period (SIM_DEFAULT_SAMPLE_PERIOD_NS) */
     uint32_t nvml_cost;           /* SIM_NVML_COST_*: CPU each fake NVML call burns */
-    uint32_t pad1;
+    uint32_t kernel_host;         /* SIM_KERNEL_HOST_*: what a kernel does to its host thread */
     /* NVML replay (nvml.c "replay"): a compiled recording the per-process calls answer from,
      * its first call shifted to replay_origin_us (CLOCK_REALTIME); empty path: no replay */
     uint64_t replay_origin_us;

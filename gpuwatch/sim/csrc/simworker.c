@@ -177,7 +177,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "simworker: cuLaunchKernel failed: %d\n", r);
             return 3;
         }
-        next += (runnable_s(sfd) - r0) / duty;
+        /* on a node whose kernels sleep (sim up --kernel-host sleep) the launch is mostly
+         * asleep: its busy time is then at least the kernel's duration */
+        double busy = runnable_s(sfd) - r0;
+        if (busy < kernel_us / 1e6)
+            busy = kernel_us / 1e6;
+        next += busy / duty;
         double now = now_s();
         if (next < now - 0.5)
             next = now - 0.5;
