@@ -67,8 +67,9 @@ def test_two_tenants_on_one_gpu_share_it_and_it_never_exceeds_100_percent(tmp_pa
         eng = engine(node, 0)
     busy = [rates[p.pid][0] for p in procs]
     kernels = [rates[p.pid][1] for p in procs]
-    print(f"\n{kernel_host}: two tenants at duty 0.8 on one GPU: busy {busy[0]:.3f} + {busy[1]:.3f} = {sum(busy):.3f} of the "
-          f"wall, {kernels[0]:.1f} and {kernels[1]:.1f} kernels/s (alone: 80), NVML util {util}%, "
+    print(f"\n{kernel_host}: two tenants at duty 0.8 on one GPU: busy {busy[0]:.3f} + {busy[1]:.3f} = "
+          f"{sum(busy):.3f} of the wall, {kernels[0]:.1f} and {kernels[1]:.1f} kernels/s (alone: 80), "
+          f"NVML util {util}%, "
           f"{eng.yields_total} hand-overs")
     assert sum(busy) <= 1.005  # the ledger is exact: one kernel at a time
     assert sum(busy) >= 0.9  # and the GPU is kept busy (hand-overs cost little)
