@@ -122,9 +122,11 @@ class Job:
         return max(0.0, self.start - self.rate * work_s)
 
 
-def mixes(quick: bool) -> dict[str, list[Job]]:
+def mixes(quick: bool, load: int = 1) -> dict[str, list[Job]]:
     """The trace-shaped mixes (benchmarks/sharing_mixes.py); `quick` scales the work down and
-    keeps only the heterogeneous mix."""
+    keeps only the heterogeneous mix. `load` > 1 submits each mix's jobs that many times (the
+    copies named <job>-2, <job>-3, ...), all ARRIVAL_GAP_S apart: a node with a queue of about
+    `load` times the mix's demand, as in a busy cluster."""
     from sharing_mixes import ARRIVAL_GAP_S, MIXES, PAUSE_EVERY_S, PAUSE_S  # beside this script
 
     scale = 0.6 if quick else 1.0
@@ -132,15 +134,30 @@ def mixes(quick: bool) -> dict[str, list[Job]]:
     for name, shapes in MIXES.items():
         if quick and name != "heterogeneous":
             continue
-        out[name] = [Job(shape.name, shape.memory_mib, 3, round(shape.work_s * scale, 2), shape.curve,
+        submitted = [(shape, f"{shape.name}-{copy + 1}" if copy else shape.name)
+                     for copy in range(load) for shape in shapes()]
+        out[name] = [Job(job_name, shape.memory_mib, 3, round(shape.work_s * scale, 2), shape.curve,
                          shape.rate / scale, shape.duty, PAUSE_EVERY_S * scale, PAUSE_S, arrival_s=ARRIVAL_GAP_S * i)
-                     for i, shape in enumerate(shapes())]
+                     for i, (shape, job_name) in enumerate(submitted)]
     return out
 
 
+@dataclass(frozen=True)
+class ElasticKnobs:
+    """The elastic mode's options (policy `elastic` section, gpuwatch/policy/SCHEMA.md)."""
+
+    contended: float = 0.0  # elastic.contended
+    throttle: str = "all-but-top"  # elastic.throttle
+    divide: str = "plateau"  # elastic.divide
+    checkpoint_plateaued: bool = True  # elastic.checkpoint_plateaued
+
+    def text(self) -> str:
+        return (f"{f', contended: {self.contended:.0%}' if self.contended else ''}, throttle: {self.throttle}, "
+                f"divide: {self.divide}, checkpoint_plateaued: {str(self.checkpoint_plateaued).lower()}")
+
+
 def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float | None = None,
-                order: str = "smallest", headroom: float = 1.0, contended: float = 0.0,
-                elastic_throttle: str = "all-but-top") -> str:
+                order: str = "smallest", headroom: float = 1.0, elastic: ElasticKnobs | None = None) -> str:
     """The policy of one mode: managed modes declare each job's memory with its pod's rule."""
     if mode == "none":
         return f"rules:\n  - name: all\n    match: {{namespace: {NAMESPACE}}}\n"
@@ -154,8 +171,7 @@ def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float 
     if mode == "elastic":
         window, dwell = ("1s", "1s") if quick else ("3s", "3s")
         lines.append(f"elastic: {{enabled: true, window: {window}, floor: 10%, hysteresis: 5%, min_dwell: {dwell},"
-                     f" plateau: 5%, min_gpu_time: 0.2s{f', contended: {contended:.0%}' if contended else ''}"
-                     f", throttle: {elastic_throttle}}}")
+                     f" plateau: 5%, min_gpu_time: 0.2s{(elastic or ElasticKnobs()).text()}}}")
     lines.append("tuning: {max_actions_per_minute: 600}")
     lines.append("rules:")
     for job in jobs:
@@ -245,6 +261,66 @@ class Pipeline:
 # ---- one run: a mix under a mode ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Seen:
+    """One look at a running job: what the benchmark saw of it in the kernel and the cgroup, and
+    what `gpuwatch top`'s STATE column said of it at that moment (the enforcer's view, rendered
+    by the same function top uses)."""
+
+    t: float
+    stopped: bool  # a process of it stopped (T): held at an allocation by the kernel probes
+    frozen: bool  # its cgroup frozen (cgroup.freeze): paused, waiting, or in a throttle's off phase
+    state: str  # top's STATE text ("-": the enforcer's view does not list it yet)
+
+
+LAG_S = 0.6
+"""A view built once per agent interval (0.25 s) lags what the kernel did: looks this soon
+after the job was stopped or continued are not counted for or against top."""
+
+
+def view_check(runs: list[JobRun]) -> dict[str, Any]:
+    """Issue 21 item 4: does top say why a job waits or runs slower? Per look at a job:
+    STATE says "waiting for memory" exactly when a process of it is stopped at an allocation
+    (`waiting_agreement`, looks within LAG_S of a stop or continue left out); every job stopped
+    for LAG_S or longer was shown waiting (`jobs_waited` / `jobs_shown_waiting`; shorter stops
+    are the admission gate's, released at the next round); while STATE says "throttled to x%"
+    the job was found frozen in `throttled_frozen` of the looks (the throttle's off phases),
+    while it says "running" in `running_frozen` (should be ~0: nothing holds it)."""
+    agree = counted = 0
+    waited = shown = 0
+    frozen_by_state = {"throttled": [0, 0], "running": [0, 0]}
+    for run in runs:
+        changes = [b.t for a, b in zip(run.seen, run.seen[1:], strict=False) if a.stopped != b.stopped]
+        longest = start = 0.0
+        for i, look in enumerate(run.seen):
+            if look.stopped and (i == 0 or not run.seen[i - 1].stopped):
+                start = look.t
+            if look.stopped:
+                longest = max(longest, look.t - start)
+        if longest >= LAG_S:
+            waited += 1
+            shown += any(s.state.startswith("waiting for memory") for s in run.seen)
+        for look in run.seen:
+            kind = "throttled" if look.state.startswith("throttled to ") else \
+                "running" if look.state.startswith("running") else ""
+            if kind:
+                frozen_by_state[kind][0] += look.frozen
+                frozen_by_state[kind][1] += 1
+            if look.state == "-" or any(0 <= look.t - c < LAG_S for c in changes):
+                continue
+            counted += 1
+            agree += look.stopped == look.state.startswith("waiting for memory")
+
+    def ratio(kind: str) -> float | None:
+        frozen, looks = frozen_by_state[kind]
+        return round(frozen / looks, 3) if looks else None
+
+    return {"looks": counted, "waiting_agreement": round(agree / counted, 4) if counted else None,
+            "jobs_waited": waited, "jobs_shown_waiting": shown,
+            "throttled_looks": frozen_by_state["throttled"][1], "throttled_frozen": ratio("throttled"),
+            "running_looks": frozen_by_state["running"][1], "running_frozen": ratio("running")}
+
+
 @dataclass
 class JobRun:
     job: Job
@@ -258,6 +334,7 @@ class JobRun:
     gpu: int | None = None  # placed at its first start
     samples: list[tuple[float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    seen: list[Seen] = field(default_factory=list)
 
     def argv(self, sim_name: str) -> list[str]:
         job = self.job
@@ -307,14 +384,13 @@ class Run:
     def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
                  timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0, late_binding: bool = False,
                  requeue_after_s: float | None = None, order: str = "smallest", headroom: float = 1.0,
-                 contended: float = 0.0, elastic_throttle: str = "all-but-top") -> None:
+                 elastic: ElasticKnobs | None = None) -> None:
         self.pipeline, self.lab, self.sim = pipeline, lab, sim
         self.gpus = gpus
         self.late_binding = late_binding
         self.order = order
         self.headroom = headroom
-        self.contended = contended
-        self.elastic_throttle = elastic_throttle
+        self.elastic = elastic or ElasticKnobs()
         self.requeue_after_s = requeue_after_s if mode in ("adaptive", "elastic") else None
         self.mode, self.mix = mode, mix
         self.timeout_s, self.retry_s = timeout_s, retry_s
@@ -378,8 +454,7 @@ class Run:
         elif status == 0 and "checkpoint" in logs:
             run.done_work_s = min(run.done_work_s + last_work_done(logs), run.job.work_s)
             run.notes.append(f"checkpointed at {run.done_work_s:.2f} GPU-s")
-            if self.requeue_after_s is not None:
-                run.gpu = None  # requeued at the node: placed again, on the GPU with room
+            run.gpu = None  # back in the node's queue: placed again, on a GPU with room
         else:
             run.notes.append(f"exit {status}: {logs.strip().splitlines()[-1:] if logs.strip() else ''}")
             run.done_work_s = 0.0
@@ -401,6 +476,32 @@ class Run:
             frozen = False
         return f"pids {' '.join(states)}{' frozen' if frozen else ''}"
 
+    def _top_states(self) -> dict[str, str]:
+        """Pod -> the STATE text `gpuwatch top` shows for it now (tui.view_state.state_text of
+        the enforcer's view, what the agent serves in /snapshot.json)."""
+        from gpuwatch.tui.view_state import state_text
+
+        enforcer = self.pipeline.enforcer
+        if enforcer is None:
+            return {}
+        return {item.identity.pod_name: state_text(item) for item in enforcer.view()
+                if item.identity.pod_namespace == NAMESPACE}
+
+    def _look(self, run: JobRun, now: float, view: dict[str, str]) -> None:
+        """What the kernel and the cgroup say of the job now, beside top's STATE."""
+        stopped = False
+        for pid in run.container.pids():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            stopped |= stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+        try:
+            frozen = (run.container.v2_dir / "cgroup.freeze").read_text().strip() == "1"
+        except OSError:
+            frozen = False
+        run.seen.append(Seen(now, stopped, frozen, view.get(run.job.name, "-")))
+
     def _sample(self, run: JobRun, now: float) -> None:
         try:
             text = run.progress_file.read_text()
@@ -415,14 +516,14 @@ class Run:
                                                                          quick=self.retry_s < RETRY_S,
                                                                          requeue_after_s=self.requeue_after_s,
                                                                          order=self.order, headroom=self.headroom,
-                                                                         contended=self.contended,
-                                                                         elastic_throttle=self.elastic_throttle))
+                                                                         elastic=self.elastic))
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
             while time.monotonic() < deadline:
                 now = time.monotonic() - t0
                 self.memory.append((now, self._memory_ratio()))
+                view = self._top_states()
                 # the node's queue: arrival order, or (order smallest) the smallest declared demand first
                 line = sorted(self.jobs, key=lambda r: r.job.footprint_mib) if self.order == "smallest" else self.jobs
                 for run in line:
@@ -437,6 +538,7 @@ class Run:
                         run.container = self.lab.run(self._spec(run))
                     elif run.container is not None:
                         self._sample(run, now)
+                        self._look(run, now, view)
                         if not run.container.running():
                             self._finished(run, now)
                 if all(r.done_s is not None for r in self.jobs):
@@ -466,6 +568,7 @@ class Run:
             "oom_failures": sum(r.oom_failures for r in self.jobs),
             "t95_progress_s": round(statistics.fmean(t95s), 2) if t95s else None,
             "completed": f"{len(done)}/{len(self.jobs)}",
+            "view": view_check(self.jobs),
             "jobs": {r.job.name: {"gpu": r.gpu,
                                   "completion_s": round(r.done_s - r.job.arrival_s, 2) if r.done_s else None,
                                   "attempts": r.attempts, "oom": r.oom_failures,
@@ -574,10 +677,18 @@ def main() -> int:
                              "(elastic.contended)")
     parser.add_argument("--elastic-throttle", choices=("all-but-top", "yielding"), default="all-but-top",
                         help="elastic: who is held to its share while a job yields (elastic.throttle)")
+    parser.add_argument("--elastic-divide", choices=("plateau", "efficiency"), default="plateau",
+                        help="elastic: only plateaued jobs yield GPU time, or all in proportion to growth efficiency "
+                             "(elastic.divide)")
+    parser.add_argument("--checkpoint-plateaued", choices=("on", "off"), default="on",
+                        help="elastic: a plateaued job is checkpointed while others wait for memory on its GPU "
+                             "(elastic.checkpoint_plateaued); it is placed again and resumes from its checkpoint")
     parser.add_argument("--kernel-host", choices=("sleep", "spin"), default="sleep",
                         help="what a simulated kernel does to its host thread (gpuwatch sim up --kernel-host): sleep "
                              "(default: the node's GPUs cost no host CPU, as on a real node with 8+ cores per GPU) "
                              "or spin (each busy GPU takes one of this machine's cores)")
+    parser.add_argument("--load", type=int, default=1,
+                        help="submit each mix's jobs this many times: a queue of about LOAD x the mix's demand")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -591,13 +702,15 @@ def main() -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; use {', '.join(MODES)}")
-    all_mixes = mixes(args.quick)
+    all_mixes = mixes(args.quick, args.load)
     chosen = args.mixes.split(",") if args.mixes else list(all_mixes)
     if args.mixes:
-        all_mixes = mixes(False) | mixes(args.quick)
+        all_mixes = mixes(False, args.load) | mixes(args.quick, args.load)
     repeats = args.repeats or (2 if args.quick else 3)
     timeout_s = args.timeout_s or (60.0 if args.quick else 300.0)
     retry_s = 0.5 if args.quick else RETRY_S
+    knobs = ElasticKnobs(args.contended, args.elastic_throttle, args.elastic_divide,
+                         args.checkpoint_plateaued == "on")
     work = Path(tempfile.mkdtemp(prefix="bench-sharing-"))
     per_mix: dict[str, dict[str, dict[str, Any]]] = {}
     started = time.monotonic()
@@ -613,7 +726,7 @@ def main() -> int:
             print(f"simulated node: {GPUS} GPUs of 8 GiB; agent interval {args.interval:g} s; {repeats} repeats; "
                   f"set up in {time.monotonic() - started:.1f} s; placement {args.placement}, order {args.order}, "
                   f"headroom {args.headroom:.0%}, requeue after {args.requeue_after or 'never'}, "
-                  f"elastic contended {args.contended:.0%}, throttle {args.elastic_throttle}", flush=True)
+                  f"elastic{knobs.text()}", flush=True)
             for mix in chosen:
                 runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
                 for repeat in range(repeats):  # modes interleaved: a slow spell of the VM hits all of them
@@ -622,12 +735,12 @@ def main() -> int:
                         run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s,
                                   repeat=repeat, late_binding=args.placement == "late",
                                   requeue_after_s=args.requeue_after, order=args.order,
-                                  headroom=args.headroom, contended=args.contended,
-                                  elastic_throttle=args.elastic_throttle)
+                                  headroom=args.headroom, elastic=knobs)
                         result = run.execute()
                         runs[mode].append(result)
                         print(f"  {mix} / {mode} #{repeat + 1}: {time.monotonic() - t:.1f} s, "
-                              f"{json.dumps({k: result[k] for k in KEYS})} jobs {json.dumps(result['jobs'])}",
+                              f"{json.dumps({k: result[k] for k in KEYS})} top {json.dumps(result['view'])} "
+                              f"jobs {json.dumps(result['jobs'])}",
                               flush=True)
                 per_mix[mix] = {mode: aggregate(results) for mode, results in runs.items()}
             if pipeline.errors:

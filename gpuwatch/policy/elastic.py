@@ -22,6 +22,11 @@ Every round, per GPU with two or more running tenants:
   throttles are released (plain time slicing is already fair);
 * while containers wait for memory on a GPU (rescheduling), nobody there is made to yield:
   a plateaued job that is slowed down holds its memory longer and keeps the queue waiting.
+  With `elastic.checkpoint_plateaued`, a plateaued job there yields its memory instead: it gets
+  the checkpoint signal (one job per GPU at a time), so a waiting job can start;
+* `elastic.divide: plateau`: only plateaued jobs yield (to the floor), the others share the
+  rest equally -- a job still learning is not slowed in proportion to how much its curve has
+  flattened, which would delay what it has left to gain.
 * with `elastic.contended`, only where the engine is contended: nobody starts yielding on a
   GPU whose tenants' SM utilisation sums to less than it (the jobs' own idle phases -- input,
   checkpoints -- already leave the others the time a freeze would give them), and yielding in
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress
 from gpuwatch.policy.decisions import Decision, Verb
-from gpuwatch.policy.rules import ElasticSettings, ElasticThrottle
+from gpuwatch.policy.rules import ElasticDivide, ElasticSettings, ElasticThrottle, ReschedulingSettings
 from gpuwatch.policy.sharing import sharing_of
 from gpuwatch.policy.usage import ContainerView
 
@@ -65,6 +70,8 @@ class ElasticJob:
     """Its part of the GPU in the division in force."""
     throttle: float | None = None
     """The throttle share the controller holds on it (None: not throttled by it)."""
+    checkpointed: bool = False
+    """It was sent the checkpoint signal to yield its memory (elastic.checkpoint_plateaued)."""
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,15 @@ def divide(
 ) -> dict[str, float]:
     """One GPU's shares: `fixed` tenants keep theirs; the rest of the GPU goes to the jobs
     with an efficiency, each at least the floor, the remainder in proportion to efficiency
-    (plateaued ones weigh nothing; all plateaued: equal split)."""
+    (plateaued ones weigh nothing; all plateaued: equal split). With `divide: plateau` every job
+    that has not plateaued weighs the same."""
     shares = dict(fixed)
     if not efficiencies:
         return shares
     pool = max(1.0 - sum(fixed.values()), 0.0)
     floor = min(settings.floor, pool / len(efficiencies))
-    weights = {k: (e if e >= settings.plateau else 0.0) for k, e in efficiencies.items()}
+    by_plateau = settings.divide is ElasticDivide.PLATEAU
+    weights = {k: ((1.0 if by_plateau else e) if e >= settings.plateau else 0.0) for k, e in efficiencies.items()}
     total = sum(weights.values())
     rest = pool - floor * len(efficiencies)
     for key in efficiencies:
@@ -199,12 +208,15 @@ def elastic_round(
     t: float,
     emit: Emit,
     queued_gpus: Collection[int] = (),
+    rescheduling: ReschedulingSettings | None = None,
 ) -> tuple[ElasticState, dict[str, ElasticStatus]]:
     """One round of the controller. `managed`: keys a rule matches (only they are throttled);
     `held_elsewhere`: keys paused, waiting for memory or throttled by a ladder/quota (they do
     not run or are someone else's; their elastic throttle is forgotten, not released);
     `queued_gpus`: GPUs where containers wait for memory (rescheduling) -- there nobody is
-    made to yield: a slowed-down holder would keep its memory, and the queue waiting, longer."""
+    made to yield: a slowed-down holder would keep its memory, and the queue waiting, longer
+    (with `checkpoint_plateaued` a plateaued job there is checkpointed with `rescheduling`'s
+    signal and grace instead)."""
     run = _Controller(settings, prev, t, emit)
     present = {v.identity.key for v in views}
     # the ones gone, or the whole controller switched off: release what it holds
@@ -232,8 +244,34 @@ def elastic_round(
         for row in view.rows:
             busy[row.gpu_index] = busy.get(row.gpu_index, 0.0) + row.sm_utilization_ratio
     for gpu, keys in sorted(by_gpu.items()):
+        if settings.checkpoint_plateaued and gpu in queued_gpus:
+            _yield_memory(run, gpu, sorted(keys), managed, rescheduling or ReschedulingSettings())
         _gpu_round(run, gpu, sorted(keys), managed, gpu in queued_gpus, busy.get(gpu, 0.0))
     return ElasticState(run.jobs, run.changed, run.tenants), run.status
+
+
+def _yield_memory(run: _Controller, gpu: int, keys: list[str], managed: Collection[str],
+                  rescheduling: ReschedulingSettings) -> None:
+    """Containers wait for memory on `gpu`: the plateaued job there with the least efficiency gets
+    the checkpoint signal, unless one of them is already checkpointing (one at a time: its memory
+    may be all the queue needs)."""
+    jobs = run.jobs
+    if any(jobs[k].checkpointed for k in keys):
+        return
+    plateaued = [k for k in keys if k in managed and jobs[k].gpu_index == gpu and jobs[k].efficiency is not None
+                 and (jobs[k].efficiency or 0.0) < run.settings.plateau
+                 and sharing_of(jobs[k].identity).throttle_share is None]
+    if not plateaued:
+        return
+    key = min(plateaued, key=lambda k: (jobs[k].efficiency or 0.0, k))
+    efficiency = jobs[key].efficiency or 0.0
+    decision = run.emit(Decision(
+        Verb.CHECKPOINT_KILL, jobs[key].identity, ELASTIC_RULE, "elastic",
+        f"plateaued (growth efficiency {efficiency:.0%} of its early rate) while containers wait for memory on "
+        f"GPU {gpu}: checkpointed so that its memory goes to the queue (elastic.checkpoint_plateaued)",
+        (("growth_efficiency", round(efficiency, 4)),), signal=rescheduling.signal, grace_s=rescheduling.grace_s))
+    if not decision.suppressed:
+        jobs[key] = replace(jobs[key], checkpointed=True)
 
 
 def _gpu_round(run: _Controller, gpu: int, keys: list[str], managed: Collection[str], queued: bool,

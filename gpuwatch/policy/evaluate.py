@@ -421,7 +421,7 @@ def evaluate(
     progress = {p.identity.key: p for p in snapshot.progress}
     queued_gpus = {w.gpu_index for w in memory.state.waiting.values()}
     elastic, elastic_status = elastic_round(policy.elastic, views, progress, set(rules_by_target), held_elsewhere,
-                                            state.elastic, t, run.emit, queued_gpus)
+                                            state.elastic, t, run.emit, queued_gpus, policy.rescheduling)
     present = {v.identity.key for v in views}
     # Throttles/pauses whose rule or quota no longer applies (policy reloaded, exemption,
     # rule renamed): release them instead of leaving them in force forever.

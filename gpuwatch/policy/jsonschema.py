@@ -21,7 +21,14 @@ from typing import Any
 
 from gpuwatch.core.units import DURATION_FORM, RATIO_FORM, SIZE_FORM
 from gpuwatch.policy import loader
-from gpuwatch.policy.rules import ActionKind, AdmissionOrder, ElasticThrottle, FairShareSplit, LimitKind
+from gpuwatch.policy.rules import (
+    ActionKind,
+    AdmissionOrder,
+    ElasticDivide,
+    ElasticThrottle,
+    FairShareSplit,
+    LimitKind,
+)
 
 SCHEMA_ID = "https://github.com/gpuwatch/gpuwatch/blob/main/gpuwatch/policy/policy.schema.json"
 
@@ -156,6 +163,8 @@ FIELD_TYPES: dict[str, dict[str, dict[str, Any]]] = {
         "period": DURATION,
         "contended": ratio(1.0),
         "throttle": {"enum": [t.value for t in ElasticThrottle]},
+        "divide": {"enum": [d.value for d in ElasticDivide]},
+        "checkpoint_plateaued": BOOLEAN,
     },
 }
 

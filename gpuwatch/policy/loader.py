@@ -40,6 +40,7 @@ from gpuwatch.policy.rules import (
     ActionStep,
     AdmissionOrder,
     DeadlockSettings,
+    ElasticDivide,
     ElasticSettings,
     ElasticThrottle,
     FairShareSettings,
@@ -78,7 +79,7 @@ DEADLOCK_KEYS = ("enabled", "action", "grace", "signal", "blocked_window")
 FAIR_SHARE_KEYS = ("enabled", "split")
 RESCHEDULING_KEYS = ("checkpoint_after", "signal", "grace", "gate_new", "demand_from_limit", "order", "headroom")
 ELASTIC_KEYS = ("enabled", "window", "floor", "hysteresis", "min_dwell", "plateau", "min_gpu_time", "period",
-                "contended", "throttle")
+                "contended", "throttle", "divide", "checkpoint_plateaued")
 STEP_ONLY_FOR = {
     "signal": ActionKind.CHECKPOINT_KILL,
     "grace": ActionKind.CHECKPOINT_KILL,
@@ -781,6 +782,18 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
                          'write "all-but-top" (every tenant but the largest share) or "yielding" (only the jobs '
                          'that yield)')
             values["throttle"] = None
+    if "divide" in keys:
+        raw = reader.scalar(keys["divide"][1]) if isinstance(keys["divide"][1], ScalarNode) else None
+        try:
+            values["divide"] = ElasticDivide(str(raw))
+        except ValueError:
+            reader.issue(keys["divide"][1], f"elastic.divide: unknown value {raw!r}",
+                         'write "efficiency" (in proportion to growth efficiency) or "plateau" (only plateaued '
+                         'jobs yield)')
+            values["divide"] = None
+    if "checkpoint_plateaued" in keys:
+        values["checkpoint_plateaued"] = reader.boolean(keys["checkpoint_plateaued"][1],
+                                                        "elastic.checkpoint_plateaued")
     ok = all(v is not None for v in values.values())
     return ElasticSettings(**values) if ok else None  # type: ignore[arg-type]
 

@@ -214,6 +214,15 @@ class ElasticThrottle(StrEnum):
     YIELDING = "yielding"
 
 
+class ElasticDivide(StrEnum):
+    """How the elastic controller divides a GPU's time among jobs with an efficiency (elastic.divide)."""
+
+    EFFICIENCY = "efficiency"
+    """In proportion to growth efficiency (FlowCon): a job whose curve flattens yields gradually."""
+    PLATEAU = "plateau"
+    """Only plateaued jobs yield (to the floor); the others share the rest equally."""
+
+
 @dataclass(frozen=True)
 class ElasticSettings:
     """Progress-aware elastic GPU time (FlowCon): co-located jobs' time shares follow their
@@ -244,6 +253,13 @@ class ElasticSettings:
     """Who is held to its share while some job yields: every tenant but the one with the largest
     share (all-but-top), or only the yielding jobs (yielding: the others share the rest of the
     GPU by plain time slicing, so no share below what a job would use is imposed on it)."""
+    divide: ElasticDivide = ElasticDivide.EFFICIENCY
+    """In proportion to efficiency, or only plateaued jobs yield (a job still learning keeps an
+    equal part: slowing it delays what it has left to gain)."""
+    checkpoint_plateaued: bool = False
+    """While containers wait for memory on its GPU, a plateaued job there gets the checkpoint
+    signal (rescheduling.signal, .grace): it has little left to gain, and its memory lets a
+    waiting job start; it resumes from its checkpoint when its controller restarts it."""
 
 
 @dataclass(frozen=True)

@@ -253,3 +253,78 @@ def test_throttle_yielding_holds_only_the_jobs_that_yield() -> None:
     assert decided("yielding") == {"flat"}
     assert policy(POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, throttle: yielding}")
                   ).elastic.throttle is ElasticThrottle.YIELDING
+
+
+def test_divide_plateau_only_plateaued_jobs_yield() -> None:
+    from gpuwatch.policy.rules import ElasticDivide
+
+    s = ElasticSettings(enabled=True, floor=0.1, plateau=0.05, divide=ElasticDivide.PLATEAU)
+    shares = divide({}, {"a": 1.0, "b": 0.2, "c": 0.01}, s)
+    # the half-flattened job keeps an equal part with the steep one; only the plateaued one yields
+    assert shares["c"] == 0.1 and math.isclose(shares["a"], 0.45) and math.isclose(shares["b"], 0.45)
+    assert divide({}, {"a": 1.0, "b": 0.2}, s) == {"a": 0.5, "b": 0.5}
+    efficiency = divide({}, {"a": 1.0, "b": 0.2}, dataclasses.replace(s, divide=ElasticDivide.EFFICIENCY))
+    assert efficiency["a"] > efficiency["b"]
+    text = POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, divide: plateau}")
+    assert policy(text).elastic.divide is ElasticDivide.PLATEAU
+
+
+def _queued_round(text: str, node: Node, state, waiting_gpu: int = 0):  # type: ignore[no-untyped-def]
+    """One elastic round on `node`'s jobs with containers waiting for memory on `waiting_gpu`."""
+    from gpuwatch.policy.elastic import elastic_round
+    from gpuwatch.policy.usage import group_containers
+
+    rows = [usage(who, kernel_s=node.kernel[name]) for name, (who, _) in node.jobs.items()]
+    progress = {ident(n).key: node.last[n] for n in node.jobs if n in node.last}
+    emitted: list[Decision] = []
+
+    def emit(decision: Decision) -> Decision:
+        emitted.append(decision)
+        return decision
+
+    pol = policy(text)
+    state, status = elastic_round(pol.elastic, group_containers(rows), progress, {ident(n).key for n in node.jobs},
+                                  (), state, node.t + 1, emit, queued_gpus={waiting_gpu},
+                                  rescheduling=pol.rescheduling)
+    return state, status, emitted
+
+
+def test_checkpoint_plateaued_yields_memory_to_the_queue_one_job_at_a_time() -> None:
+    text = POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, checkpoint_plateaued: true}") + \
+        "rescheduling: {signal: SIGTERM, grace: 7s}\n"
+    assert policy(text).elastic.checkpoint_plateaued
+    node = Node(text)
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    node.add("flatter", curve_exp(6.0))
+    state = run(node, 12)[-1].state.elastic
+    state, _status, emitted = _queued_round(text, node, state)
+    checkpoints = [d for d in emitted if d.verb is Verb.CHECKPOINT_KILL]
+    # the least efficient plateaued job, with the rescheduling section's signal and grace
+    assert [d.target.container_name for d in checkpoints] == ["flatter"], emitted
+    assert checkpoints[0].scope == "elastic" and checkpoints[0].signal == 15 and checkpoints[0].grace_s == 7.0
+    assert "plateaued" in checkpoints[0].reason and "wait for memory" in checkpoints[0].reason
+    # while it checkpoints, nobody else is asked: its memory may be all the queue needs
+    _state, _status, again = _queued_round(text, node, state)
+    assert not [d for d in again if d.verb is Verb.CHECKPOINT_KILL]
+
+
+def test_checkpoint_plateaued_needs_a_queue_and_the_setting() -> None:
+    node = Node()
+    node.add("steep", curve_linear(0.01))
+    node.add("flat", curve_exp(3.0))
+    state = run(node, 12)[-1].state.elastic
+    # off by default: a queue only holds the division off
+    _s, _st, emitted = _queued_round(POLICY, node, state)
+    assert not [d for d in emitted if d.verb is Verb.CHECKPOINT_KILL]
+    # on, but the queue is on another GPU: nothing to yield to here
+    text = POLICY.replace("min_gpu_time: 0.2s}", "min_gpu_time: 0.2s, checkpoint_plateaued: true}")
+    _s, _st, emitted = _queued_round(text, node, state, waiting_gpu=1)
+    assert not [d for d in emitted if d.verb is Verb.CHECKPOINT_KILL]
+    # a learning job is never checkpointed, only plateaued ones
+    learning = Node(text)
+    learning.add("a", curve_linear(0.01))
+    learning.add("b", curve_linear(0.02))
+    state = run(learning, 12)[-1].state.elastic
+    _s, _st, emitted = _queued_round(text, learning, state)
+    assert not [d for d in emitted if d.verb is Verb.CHECKPOINT_KILL]
