@@ -26,9 +26,11 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   line until one does not fit; after it, later ones only backfill within their fair share
   (so a stream of small jobs cannot starve the one waiting). Under `split: equal` every
   container stays within its equal part (the GPU / the containers holding memory, counting
-  itself; while others ask, holders are promised no more than the GPU / all of them). The
-  rest wait: paused (frozen, and still stopped at the allocation), resumed in the same order
-  as memory frees; one waiting past `rescheduling.checkpoint_after` gets the
+  itself; while others ask, holders are promised no more than the GPU / all of them; when
+  every container on the GPU waits for more than its part, the first in line whose request
+  fits goes ahead, so equal parts never leave a GPU idle for good). The rest wait: paused
+  (frozen, and still stopped at the allocation), resumed in the same order as memory frees;
+  one waiting past `rescheduling.checkpoint_after` gets the
   checkpoint signal;
 * allowances: what each running container may hold (held + what was admitted, plus its part
   of the headroom) -- the kernel stops an allocation beyond it, so the sum of allowances never
@@ -397,6 +399,16 @@ class _Round:
             else:
                 waiting.append(seat)
                 line_blocked = True
+        if settings.split is FairShareSplit.EQUAL and waiting and not admitted and not any(
+                s.key not in self.waiting and s.pending <= 0 and s.held > 0 for s in live):
+            # everyone here waits for more than its equal part: nobody would ever run (three
+            # jobs of 3 GiB on an 8 GiB GPU each get 2.7). Equal parts must not leave a GPU idle:
+            # the first in line whose request fits in the unpromised memory goes ahead.
+            first = waiting[0]
+            extra = max(first.demand - promised[first.key], 0)
+            if extra <= unpromised:
+                unpromised -= extra
+                admitted.append(waiting.pop(0))
         for seat in admitted:
             self.admitted[seat.key] = max(self.admitted.get(seat.key, -1.0), seat.pending_event_s)
             if seat.key in self.waiting:

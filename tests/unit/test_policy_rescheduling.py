@@ -91,6 +91,29 @@ def test_admission_in_line_may_exceed_the_share_under_demand_split_not_under_equ
     assert run("equal") == [("release", "b", True), ("pause", "a", False)]
 
 
+def test_equal_split_never_leaves_a_gpu_where_everyone_waits_idle() -> None:
+    # three jobs that will hold 3 GiB each on an 8 GiB GPU: each equal part is 2.67 GiB, so
+    # each one's next allocation is beyond its part. Measured in bench_sharing (long-tail mix,
+    # static): all three stopped at an allocation for 300 s. The first in line goes ahead.
+    a, b, c = ident("a"), ident("b"), ident("c")
+    d = fair("equal")
+    d.step(snap(1.0, usage(a, GIB), usage(b, GIB), usage(c, GIB), total=8 * GIB, free=5 * GIB))
+    events = [stop(a, 1.5, 2 * GIB), stop(b, 1.6, 2 * GIB), stop(c, 1.7, 2 * GIB)]
+    result = d.step(snap(2.0, usage(a, GIB), usage(b, GIB), usage(c, GIB), total=8 * GIB, free=5 * GIB), events)
+    # the others' allowances of the round before still promise the GPU: all three wait ...
+    assert moves(result) == [("pause", "a", False), ("pause", "b", False), ("pause", "c", False)]
+    # ... and the next round, with everyone waiting, the first in line goes ahead
+    result = d.step(snap(2.5, usage(a, GIB), usage(b, GIB), usage(c, GIB), total=8 * GIB, free=5 * GIB))
+    assert moves(result) == [("release", "a", True)]
+    assert sum(result.effective_limits_bytes.values()) <= 8 * GIB
+    # a runs now: the others keep waiting for their equal parts, as static fair share does
+    result = d.step(snap(3.0, usage(a, 3 * GIB), usage(b, GIB), usage(c, GIB), total=8 * GIB, free=3 * GIB))
+    assert moves(result) == []
+    # a finished: two holders, 4 GiB each, both requests fit in their parts
+    result = d.step(snap(4.0, usage(b, GIB), usage(c, GIB), total=8 * GIB, free=6 * GIB))
+    assert moves(result) == [("release", "b", True), ("release", "c", True)]
+
+
 def test_allowances_grow_only_from_memory_nobody_was_promised() -> None:
     d = fair()
     a, b = ident("a"), ident("b")
