@@ -84,6 +84,8 @@ CONTEXT_MIB = 518
 """Each job's CUDA context (a real H100's; `gpuwatch sim run --context-mib`): part of its footprint."""
 STARTUP_S = 1.0
 POLL_S = 0.1
+QUICK_MIXES = ("heterogeneous",)
+"""The mixes --quick runs unless --mixes names others (at the quick scale too)."""
 KEYS = ("avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s")
 
 
@@ -123,17 +125,15 @@ class Job:
 
 
 def mixes(quick: bool, load: int = 1) -> dict[str, list[Job]]:
-    """The trace-shaped mixes (benchmarks/sharing_mixes.py); `quick` scales the work down and
-    keeps only the heterogeneous mix. `load` > 1 submits each mix's jobs that many times (the
-    copies named <job>-2, <job>-3, ...), all ARRIVAL_GAP_S apart: a node with a queue of about
-    `load` times the mix's demand, as in a busy cluster."""
+    """The trace-shaped mixes (benchmarks/sharing_mixes.py); `quick` scales the work down.
+    `load` > 1 submits each mix's jobs that many times (the copies named <job>-2, <job>-3, ...),
+    all ARRIVAL_GAP_S apart: a node with a queue of about `load` times the mix's demand, as in
+    a busy cluster."""
     from sharing_mixes import ARRIVAL_GAP_S, MIXES, PAUSE_EVERY_S, PAUSE_S  # beside this script
 
     scale = 0.6 if quick else 1.0
     out: dict[str, list[Job]] = {}
     for name, shapes in MIXES.items():
-        if quick and name != "heterogeneous":
-            continue
         submitted = [(shape, f"{shape.name}-{copy + 1}" if copy else shape.name)
                      for copy in range(load) for shape in shapes()]
         out[name] = [Job(job_name, shape.memory_mib, 3, round(shape.work_s * scale, 2), shape.curve,
@@ -703,9 +703,10 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(sorted(unknown))}; use {', '.join(MODES)}")
     all_mixes = mixes(args.quick, args.load)
-    chosen = args.mixes.split(",") if args.mixes else list(all_mixes)
-    if args.mixes:
-        all_mixes = mixes(False, args.load) | mixes(args.quick, args.load)
+    chosen = args.mixes.split(",") if args.mixes else list(QUICK_MIXES if args.quick else all_mixes)
+    unknown = set(chosen) - set(all_mixes)
+    if unknown:
+        parser.error(f"unknown mix(es) {', '.join(sorted(unknown))}; use {', '.join(all_mixes)}")
     repeats = args.repeats or (2 if args.quick else 3)
     timeout_s = args.timeout_s or (60.0 if args.quick else 300.0)
     retry_s = 0.5 if args.quick else RETRY_S
