@@ -6,20 +6,26 @@ elastic GPU time (FlowCon).
                          [--mixes heterogeneous,memory-heavy,long-tail] [--modes none,static,adaptive,elastic]
                          [--order smallest|arrival] [--placement queue|late] [--headroom F]
                          [--requeue-after S] [--contended F] [--elastic-throttle all-but-top|yielding]
+                         [--elastic-divide plateau|efficiency] [--checkpoint-plateaued on|off]
+                         [--load N] [--kernel-host sleep|spin] [--keep]
 
 On the simulated GPU node (gpuwatch/sim: 4 GPUs of 8 GiB; kernels contend for each device's
-engine, time-sliced; memory is a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when
-full) it runs job mixes in real runc containers (pods in namespace `bench`), each job a
+engine, time-sliced, and sleep on the host -- `sim up --kernel-host sleep`: a real node's
+GPUs cost its CPUs nothing, while spinning kernels would need one of this 2-core VM's cores
+per busy GPU; memory is a shared ledger that answers CUDA_ERROR_OUT_OF_MEMORY when full) it
+runs job mixes in real runc containers (pods in namespace `bench`), each job a
 `gpuwatch sim run` shaped like a training job (benchmarks/sharing_mixes.py, from the Alibaba
 PAI and Philly traces): GPU work at a duty (the rest of each step waits for input), a pause
 every 1.5 GPU-seconds (a checkpoint save), memory grown in 3 steps while it warms up and then
 held, a loss curve of the work done in a progress file declared with the
 gpuwatch.io/progress-file annotation. A job's memory is its whole footprint as its pod's rule
 declares it: its CUDA context (518 MiB as on an H100, passed explicitly: --context-mib) and
-data in whole 2 MiB pages. Jobs arrive 0.3 s apart and are placed on a GPU at arrival by
-gpuwatch/policy/placement.py (the same rule in every mode: spread by declared demand; a job
-that fits nowhere waits on a GPU where its context fits beside every promise, or at the
-node; `--placement late`: it always waits at the node until a GPU has room for all of it).
+data in whole 2 MiB pages. Each mix is submitted `--load` times (default 2: the node has a
+queue of about twice the mix's demand, as in a busy cluster). Jobs arrive 0.3 s apart and
+are placed on a GPU at arrival by gpuwatch/policy/placement.py (the same rule in every mode:
+spread by declared demand; a job that fits nowhere waits on a GPU where its context fits
+beside every promise, or at the node; `--placement late`: it always waits at the node until a
+GPU has room for all of it).
 The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
 it (sampler, kernel probes with the limit map, enforcer with freezer and throttle), with one
 policy per mode:
@@ -35,20 +41,26 @@ policy per mode:
   are resumed in that order as memory frees (a deadlock is broken by checkpoint-then-kill,
   never by OOM; `--requeue-after S`: a job waiting S seconds is checkpointed and placed
   again, rescheduling.checkpoint_after);
-* elastic: adaptive + the `elastic` section: GPU time re-divided by growth efficiency
-  (`--contended F`: only where the tenants keep the engine busy F of the time or more;
-  `--elastic-throttle yielding`: only the yielding jobs are throttled).
+* elastic: adaptive + the `elastic` section: plateaued jobs yield GPU time to the ones still
+  learning (`--elastic-divide efficiency`: all in proportion to growth efficiency) and, while
+  jobs wait for memory on their GPU, their memory: checkpointed, placed again, resumed from
+  the checkpoint (`--checkpoint-plateaued off`: not); `--contended F`: only where the tenants
+  keep the engine busy F of the time or more; `--elastic-throttle yielding`: only the
+  yielding jobs are throttled.
 
 The order also orders the node's queue (jobs waiting for a GPU, in every mode).
 
 Per run: average job completion (arrival to done), makespan, time-averaged GPU memory
-utilisation of the node, OOM failures, mean time to 95 % of each job's final progress. Each
+utilisation of the node, OOM failures, mean time to 95 % of each job's final progress, and
+what `gpuwatch top`'s STATE column said of each job against what the kernel and the cgroups
+showed (`view_check`). Each
 mix runs every mode `--repeats` times (modes interleaved within a repeat, so a slow spell of
 the VM hits all of them); the table gives means and ±half the spread, then one JSON line with
 "modes" (means over the mixes) and "mixes" (per mix, with *_spread and the repeats).
 
-Needs root, runc and BCC. `--quick` (CI, ~2 min): the heterogeneous mix at 0.6 of the work,
-the managed modes, 2 repeats. Everything started is stopped, the temp directory removed.
+Needs root, runc and BCC. `--quick` (CI, ~2-3 min): the long-tail mix at 0.6 of the work,
+the managed modes, 2 repeats (`--mixes` picks others at that scale). Everything started is
+stopped, the temp directory removed.
 """
 
 from __future__ import annotations
@@ -84,7 +96,7 @@ CONTEXT_MIB = 518
 """Each job's CUDA context (a real H100's; `gpuwatch sim run --context-mib`): part of its footprint."""
 STARTUP_S = 1.0
 POLL_S = 0.1
-QUICK_MIXES = ("heterogeneous",)
+QUICK_MIXES = ("long-tail",)
 """The mixes --quick runs unless --mixes names others (at the quick scale too)."""
 KEYS = ("avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s")
 
@@ -613,6 +625,21 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["completed"] = f"{done}/{total}"
     out["repeats"] = len(runs)
     out["runs"] = [{k: r[k] for k in KEYS} for r in runs]
+    out["view"] = combine_views([r["view"] for r in runs])
+    return out
+
+
+def combine_views(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """view_check over several runs: counts summed, the agreement its lowest, the frozen shares
+    weighted by their looks."""
+    counts = ("looks", "jobs_waited", "jobs_shown_waiting", "throttled_looks", "running_looks")
+    out: dict[str, Any] = {key: sum(v[key] for v in views) for key in counts}
+    agreements = [v["waiting_agreement"] for v in views if v["waiting_agreement"] is not None]
+    out["waiting_agreement"] = min(agreements) if agreements else None
+    for kind in ("throttled", "running"):
+        looks = out[f"{kind}_looks"]
+        frozen = sum((v[f"{kind}_frozen"] or 0.0) * v[f"{kind}_looks"] for v in views)
+        out[f"{kind}_frozen"] = round(frozen / looks, 3) if looks else None
     return out
 
 
@@ -635,6 +662,14 @@ def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
     if "adaptive" in results and "elastic" in results and results["adaptive"]["t95_progress_s"]:
         gain = 1 - (results["elastic"]["t95_progress_s"] or 0) / results["adaptive"]["t95_progress_s"]
         lines.append(f"elastic vs adaptive, time to 95% progress: {gain:+.1%}")
+    view = combine_views([m["view"] for m in results.values()])
+    if view["looks"]:
+        lines.append(f"top's STATE against the kernel and cgroups ({view['looks']} looks): 'waiting for memory' "
+                     f"exactly when stopped at an allocation in {fmt(view['waiting_agreement'], '.1%')} (worst run); "
+                     f"{view['jobs_shown_waiting']}/{view['jobs_waited']} jobs held {LAG_S:g} s or longer shown "
+                     f"waiting; frozen in {fmt(view['throttled_frozen'], '.0%')} of the looks that said "
+                     f"'throttled' ({view['throttled_looks']}), {fmt(view['running_frozen'], '.0%')} of those "
+                     f"that said 'running' ({view['running_looks']})")
     return "\n".join(lines)
 
 
@@ -687,7 +722,7 @@ def main() -> int:
                         help="what a simulated kernel does to its host thread (gpuwatch sim up --kernel-host): sleep "
                              "(default: the node's GPUs cost no host CPU, as on a real node with 8+ cores per GPU) "
                              "or spin (each busy GPU takes one of this machine's cores)")
-    parser.add_argument("--load", type=int, default=1,
+    parser.add_argument("--load", type=int, default=2,
                         help="submit each mix's jobs this many times: a queue of about LOAD x the mix's demand")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (audit logs, job output)")
     args = parser.parse_args()

@@ -27,6 +27,11 @@ share for free):
 
 Memory sizes are skewed as in PAI (many small holders, a few large). Convergence: loss
 curves exp with a per-job rate (fast ones plateau early), or linear (learning to the end).
+
+Load: each mix alone asks 1.2-1.4x the node's memory at once, a queue that drains within one
+job's time. bench_sharing submits it twice by default (`--load 2`), as a node of a busy
+cluster sees a queue behind its running jobs (Jeon et al. analyse the queueing delays of
+Philly's jobs, a large part of their completion times); `--load 1` is the burst alone.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """benchmarks/bench_sharing.py --quick runs to the end: real runc pods on the simulated 4-GPU
-node, the in-process agent pipeline with the kernel probes, the managed modes (static,
-adaptive, elastic) on the trace-shaped heterogeneous mix, twice each (interleaved), adaptive
-and elastic admitting the smallest declared demand first (the benchmark's default).
+node (kernels sleeping on the host), the in-process agent pipeline with the kernel probes, the
+managed modes (static, adaptive, elastic) on the trace-shaped long-tail mix at 0.6 of the work,
+submitted twice (a queue of about twice the node), twice each (interleaved).
 
-Asserted: every job of every run finished, the table and the JSON line came out with the
-issue's keys, no managed mode let a job run into OOM, and the orderings that held in eight
-quick runs on the 2-core VM (README "Performance"): adaptive's makespan within 5 % of
-static's or better (4-21 % shorter where the numbers were kept) and its memory utilisation
-higher (12-16 points). Not asserted, because they did not hold across runs (issue 21 left
-open on them): adaptive < static on average completion -- 3.2 / 4.6 / 2.5 / 6.5 % lower in
-four runs in a row on a quiet VM; while another engineer's benchmark loaded it, 0.0 % and
-1.2 % lower, then 5.1 % and 21.2 % higher (a 1 % margin, then a 3 % tolerance failed) -- and
-elastic <= adaptive on time to 95 % progress: elastic 4.7 / 7.1 / 5.3 / 3.9 / 2.6 / 10.9 /
-2.6 % slower, once (the loaded run where adaptive was 21 % behind static) 21.9 % faster."""
+Asserted (issue 21): every job of every run finished, the table and the JSON line came out
+with the issue's keys, no managed mode let a job run into OOM; adaptive's average completion
+at least MARGIN below static's and elastic's time to 95 % progress no longer than adaptive's
+(README "Performance" lists the quick runs they held in); and `gpuwatch top`'s STATE said
+"waiting for memory" exactly when a job was stopped at an allocation (looks within one view
+refresh of a change left out), for every job held that long, and a job it called "running"
+was not frozen.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +26,8 @@ from tests.conftest import need_bcc, need_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_sharing.py"
+MARGIN = 0.05
+"""Adaptive's average completion below static's by at least this much (measured: see README)."""
 KEYS = {"avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s"}
 
 
@@ -57,5 +57,12 @@ def test_bench_sharing_quick_completes_with_a_table_and_the_json_line() -> None:
             if mode != "none":
                 assert values["oom_failures"] == 0, (mix, mode, values)
     m = summary["modes"]
-    assert m["adaptive"]["makespan_s"] <= 1.05 * m["static"]["makespan_s"], m
+    assert m["adaptive"]["avg_completion_s"] <= (1 - MARGIN) * m["static"]["avg_completion_s"], m
+    assert m["elastic"]["t95_progress_s"] <= m["adaptive"]["t95_progress_s"], m
     assert m["adaptive"]["mem_util"] > m["static"]["mem_util"], m
+    for mix, modes in summary["mixes"].items():
+        for mode, values in modes.items():
+            view = values["view"]
+            assert view["looks"] > 100 and view["waiting_agreement"] >= 0.98, (mix, mode, view)
+            assert view["jobs_shown_waiting"] == view["jobs_waited"], (mix, mode, view)
+            assert view["running_frozen"] is not None and view["running_frozen"] <= 0.02, (mix, mode, view)
