@@ -13,6 +13,8 @@ import math
 import time
 from pathlib import Path
 
+import pytest
+
 from gpuwatch.sim.node import status
 from tests.system.sim_helpers import GIB, private_node, workers
 from tests.system.test_sim_progress_job import Job
@@ -20,8 +22,11 @@ from tests.system.test_sim_progress_job import Job
 MIB = 1 << 20
 
 
-def test_phases_duty_pauses_and_memory_warm_up(tmp_path: Path) -> None:
-    with private_node(tmp_path, devices=1, memory_bytes=GIB) as node, workers(node) as w:
+# spin: each kernel burns its host thread; sleep: it sleeps (bench_sharing's node) -- the duty
+# schedule counts a launch as at least its kernel, so the phases are the same
+@pytest.mark.parametrize("kernel_host", ["spin", "sleep"])
+def test_phases_duty_pauses_and_memory_warm_up(tmp_path: Path, kernel_host: str) -> None:
+    with private_node(tmp_path, devices=1, memory_bytes=GIB, kernel_host=kernel_host) as node, workers(node) as w:
         t0 = time.monotonic()
         job = Job(w, "--mib-per-step", "64", "--steps", "3", "--interval-s", "0.25", "--hold", "--duty", "0.5",
                   "--kernel-ms", "10", "--work-s", "1.0", "--pause-every-s", "0.3", "--pause-s", "0.3",
@@ -35,7 +40,8 @@ def test_phases_duty_pauses_and_memory_warm_up(tmp_path: Path) -> None:
     words = dict(part.split("=") for part in job.at("phases")[1][1:])
     gpu_s, input_s, pause_s = float(words["gpu"]), float(words["input"]), float(words["pause"])
     wall_s = job.at("done")[0] - t0  # ("ready" comes after the warm-up steps, which work already)
-    print(f"\nphases gpu {gpu_s:.2f} s, input {input_s:.2f} s, pause {pause_s:.2f} s; wall {wall_s:.2f} s; "
+    print(f"\n{kernel_host}: phases gpu {gpu_s:.2f} s, input {input_s:.2f} s, pause {pause_s:.2f} s; "
+          f"wall {wall_s:.2f} s; "
           f"memory MiB {sorted({u // MIB for _, u in used})}")
     assert 0.95 <= gpu_s <= 1.6  # the kernels (longer when the host CPU is busy)
     assert 0.6 <= input_s / gpu_s <= 1.4  # duty 0.5: as long waiting for input as on the GPU
