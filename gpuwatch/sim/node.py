@@ -260,13 +260,13 @@ def _helper(libs: SimLibraries) -> ctypes.CDLL:
             ctypes.c_uint,
             ctypes.c_uint,
         ]
-        lib.gpuwatchsim_configure.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_uint]
+        lib.gpuwatchsim_configure.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_uint]
         lib.gpuwatchsim_settings.argtypes = [
             ctypes.c_char_p,
             ctypes.POINTER(ctypes.c_ulonglong),
             ctypes.POINTER(ctypes.c_uint),
-            ctypes.POINTER(ctypes.c_uint),
         ]
+        lib.gpuwatchsim_kernel_host.argtypes = [ctypes.c_char_p, ctypes.c_int]
         lib.gpuwatchsim_replay.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong]
         lib.gpuwatchsim_engine.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(_EngineInfo)]
         lib.gpuwatchsim_inject.argtypes = [
@@ -403,8 +403,9 @@ def up(
             f"cannot create the sim state file {state}: {os.strerror(-rc)}",
             fix="check that /dev/shm is writable",
         )
-    rc = _helper(libs).gpuwatchsim_configure(str(state).encode(), sample_period_ns, NVML_COST_MODELS[nvml_cost],
-                                             KERNEL_HOST_MODES[kernel_host])
+    rc = _helper(libs).gpuwatchsim_configure(str(state).encode(), sample_period_ns, NVML_COST_MODELS[nvml_cost])
+    if rc >= 0:
+        rc = min(_helper(libs).gpuwatchsim_kernel_host(str(state).encode(), KERNEL_HOST_MODES[kernel_host]), 0)
     if rc < 0:
         raise SimError(f"cannot configure the sim state file {state}: {os.strerror(-rc)}", fix=_NOT_UP_FIX)
     node = SimNode(
@@ -463,12 +464,12 @@ def get_node(name: str = DEFAULT_NAME, *, state_path: Path | None = None) -> Sim
     info = _EngineInfo()
     rc = _helper(libs).gpuwatchsim_engine(str(state).encode(), 0, ctypes.byref(info))
     mps, timeslice_ms = (info.lanes, info.timeslice_us / 1000) if rc == 0 else (1, DEFAULT_TIMESLICE_MS)
-    period_ns, cost, host = ctypes.c_ulonglong(0), ctypes.c_uint(0), ctypes.c_uint(0)
-    rc = _helper(libs).gpuwatchsim_settings(str(state).encode(), ctypes.byref(period_ns), ctypes.byref(cost),
-                                            ctypes.byref(host))
+    period_ns, cost = ctypes.c_ulonglong(0), ctypes.c_uint(0)
+    rc = _helper(libs).gpuwatchsim_settings(str(state).encode(), ctypes.byref(period_ns), ctypes.byref(cost))
+    host = _helper(libs).gpuwatchsim_kernel_host(str(state).encode(), -1)
     sample_period_ms = period_ns.value / 1e6 if rc == 0 else DEFAULT_SAMPLE_PERIOD_MS
     nvml_cost = next((k for k, v in NVML_COST_MODELS.items() if v == cost.value), "off")
-    kernel_host = next((k for k, v in KERNEL_HOST_MODES.items() if v == host.value and rc == 0), "spin")
+    kernel_host = next((k for k, v in KERNEL_HOST_MODES.items() if v == host), "spin")
     return SimNode(
         name=name,
         state_path=state,

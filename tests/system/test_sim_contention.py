@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.sim import SimNode, engine, status
+from gpuwatch.sim.node import get_node
 from tests.system.sim_helpers import EXACT_DRIVER, GIB, Workers, in_cgroups, private_node, scratch_cgroup, workers
 
 WINDOW_S = 2.0
@@ -62,6 +63,7 @@ def tenants(tmp_path: Path, gpus: list[int], duty: float = 0.8, devices: int = 2
 def test_two_tenants_on_one_gpu_share_it_and_it_never_exceeds_100_percent(tmp_path: Path, kernel_host: str) -> None:
     with tenants(tmp_path, [0, 0], kernel_host=kernel_host) as (node, procs):
         assert node.kernel_host == kernel_host
+        assert get_node(node.name, state_path=node.state_path).kernel_host == kernel_host  # read back
         rates = busy_rates(node, [p.pid for p in procs])
         util = status(node).devices[0].utilization_percent
         eng = engine(node, 0)

@@ -2201,13 +2201,11 @@ API int gpuwatchsim_create(const char *path, const char *node_name, const char *
 }
 
 /* Settings of a node that is up (gpuwatch/sim/node.py up): the NVML sample period (ns,
- * 0: keep), the cost model (SIM_NVML_COST_*) and what a kernel does to its host thread
- * (SIM_KERNEL_HOST_*). Returns 0 or -errno. */
+ * 0: keep) and the cost model (SIM_NVML_COST_*). Returns 0 or -errno. */
 static int helper_open(const char *path, struct sim_handle *h);
-API int gpuwatchsim_configure(const char *path, unsigned long long sample_period_ns, unsigned nvml_cost,
-                              unsigned kernel_host)
+API int gpuwatchsim_configure(const char *path, unsigned long long sample_period_ns, unsigned nvml_cost)
 {
-    if (!path || nvml_cost > SIM_NVML_COST_H100_580 || kernel_host > SIM_KERNEL_HOST_SLEEP ||
+    if (!path || nvml_cost > SIM_NVML_COST_H100_580 ||
         (sample_period_ns && (sample_period_ns < SIM_MIN_SAMPLE_PERIOD_NS || sample_period_ns > SIM_MAX_SAMPLE_PERIOD_NS)))
         return -EINVAL;
     struct sim_handle h;
@@ -2217,15 +2215,28 @@ API int gpuwatchsim_configure(const char *path, unsigned long long sample_period
     if (sample_period_ns)
         __atomic_store_n(&h.hdr->sample_period_ns, (uint64_t)sample_period_ns, __ATOMIC_RELEASE);
     __atomic_store_n(&h.hdr->nvml_cost, nvml_cost, __ATOMIC_RELEASE);
-    __atomic_store_n(&h.hdr->kernel_host, kernel_host, __ATOMIC_RELEASE);
     return 0;
 }
 
-/* The node's NVML sample period (ns), cost model and kernel host mode. Returns 0 or -errno. */
-API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period_ns, unsigned *nvml_cost,
-                             unsigned *kernel_host)
+/* What a running kernel does to its host thread on a node that is up (SIM_KERNEL_HOST_*):
+ * set it when `kernel_host` is one, then return the node's (or -errno). */
+API int gpuwatchsim_kernel_host(const char *path, int kernel_host)
 {
-    if (!path || !sample_period_ns || !nvml_cost || !kernel_host)
+    if (!path || kernel_host > (int)SIM_KERNEL_HOST_SLEEP)
+        return -EINVAL;
+    struct sim_handle h;
+    int rc = helper_open(path, &h);
+    if (rc < 0)
+        return rc;
+    if (kernel_host >= 0)
+        __atomic_store_n(&h.hdr->kernel_host, (uint32_t)kernel_host, __ATOMIC_RELEASE);
+    return (int)__atomic_load_n(&h.hdr->kernel_host, __ATOMIC_ACQUIRE);
+}
+
+/* The node's NVML sample period (ns) and cost model. Returns 0 or -errno. */
+API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period_ns, unsigned *nvml_cost)
+{
+    if (!path || !sample_period_ns || !nvml_cost)
         return -EINVAL;
     struct sim_handle h;
     int rc = helper_open(path, &h);
@@ -2233,7 +2244,6 @@ API int gpuwatchsim_settings(const char *path, unsigned long long *sample_period
         return rc;
     *sample_period_ns = sim_sample_period_ns(h.hdr);
     *nvml_cost = __atomic_load_n(&h.hdr->nvml_cost, __ATOMIC_ACQUIRE);
-    *kernel_host = __atomic_load_n(&h.hdr->kernel_host, __ATOMIC_ACQUIRE);
     return 0;
 }
 
