@@ -69,6 +69,13 @@ class Running:
         for p in self.host:
             p.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
+    def stop_host(self) -> None:
+        """Kill the tenants outside containers (the lab stops the containers): a simworker
+        outlives its node's removal, and one was left running after this test."""
+        for p in self.host:
+            p.kill()
+            p.wait(10)
+
 
 @pytest.fixture
 def lab(tmp_path: Path, runc_required: str) -> Iterator[ContainerLab]:
@@ -231,25 +238,33 @@ def test_h100_four_tenant_case_on_the_sim(tmp_path: Path, lab: ContainerLab) -> 
     with private_node(tmp_path, devices=1, memory_bytes=80 << 30, nvml_cost="h100-580") as node, \
             running_agent(node, lab, tmp_path) as port:
         running = start_tenants(node, lab, H100_CASE, tmp_path)
-        series = {name: {"container_id": c.id} for name, c in running.containers.items()}
-        time.sleep(2.0)
-        m = scrape(port)
-        known = {c.id for c in running.containers.values()}
-        host = [lab for n, lab, _ in m.samples
-                if n == "gpuwatch_container_kernel_seconds_total" and lab.get("container_id") not in known]
-        assert len(host) == 1, f"expected one host series: {host}"
-        series["host"] = host[0]
-        # memory: NVML's per-process numbers summed (each with its 518 MiB context)
-        for name, c in running.containers.items():
-            want = sum(t.mib * MIB + CONTEXT_BYTES for t in H100_CASE if t.container == name)
-            assert m.value("gpuwatch_container_memory_bytes", container_id=c.id) == want
-        before, after = window(node, port, running, series)
-        rows = compare(running, series, before, after)
-        busy = after.device_busy_s[0] - before.device_busy_s[0]
-        report(f"H100 case on the sim (cost model h100-580; GPU busy {busy:.3f} s over {RUN_S:.0f} s)", rows)
-        total = sum(agent_s for agent_s, _ in rows.values())
-        print(f"  sum of containers {total:.3f} s = {total / busy:.3f} of the GPU's busy time")
-        assert total <= busy * 1.01 + 0.05, f"containers sum to {total} s, GPU busy {busy} s"
-        for name, (agent_s, ledger_s) in rows.items():
-            assert ledger_s > 0.3, f"{name} did too little work to compare ({ledger_s:.3f} s)"
-            assert agent_s == pytest.approx(ledger_s, rel=TOLERANCE), f"{name}: agent {agent_s} vs ledger {ledger_s}"
+        try:
+            check_h100_case(node, port, running)
+        finally:
+            running.stop_host()
+
+
+def check_h100_case(node: SimNode, port: int, running: Running) -> None:
+    """The four tenants' memory and kernel seconds, from the agent, against the ledger."""
+    series = {name: {"container_id": c.id} for name, c in running.containers.items()}
+    time.sleep(2.0)
+    m = scrape(port)
+    known = {c.id for c in running.containers.values()}
+    host = [lab for n, lab, _ in m.samples
+            if n == "gpuwatch_container_kernel_seconds_total" and lab.get("container_id") not in known]
+    assert len(host) == 1, f"expected one host series: {host}"
+    series["host"] = host[0]
+    # memory: NVML's per-process numbers summed (each with its 518 MiB context)
+    for name, c in running.containers.items():
+        want = sum(t.mib * MIB + CONTEXT_BYTES for t in H100_CASE if t.container == name)
+        assert m.value("gpuwatch_container_memory_bytes", container_id=c.id) == want
+    before, after = window(node, port, running, series)
+    rows = compare(running, series, before, after)
+    busy = after.device_busy_s[0] - before.device_busy_s[0]
+    report(f"H100 case on the sim (cost model h100-580; GPU busy {busy:.3f} s over {RUN_S:.0f} s)", rows)
+    total = sum(agent_s for agent_s, _ in rows.values())
+    print(f"  sum of containers {total:.3f} s = {total / busy:.3f} of the GPU's busy time")
+    assert total <= busy * 1.01 + 0.05, f"containers sum to {total} s, GPU busy {busy} s"
+    for name, (agent_s, ledger_s) in rows.items():
+        assert ledger_s > 0.3, f"{name} did too little work to compare ({ledger_s:.3f} s)"
+        assert agent_s == pytest.approx(ledger_s, rel=TOLERANCE), f"{name}: agent {agent_s} vs ledger {ledger_s}"
