@@ -58,8 +58,8 @@ mix runs every mode `--repeats` times (modes interleaved within a repeat, so a s
 the VM hits all of them); the table gives means and ±half the spread, then one JSON line with
 "modes" (means over the mixes) and "mixes" (per mix, with *_spread and the repeats).
 
-Needs root, runc and BCC. `--quick` (CI, ~2-3 min): the long-tail mix at 0.6 of the work,
-the managed modes, 2 repeats (`--mixes` picks others at that scale). Everything started is
+Needs root, runc and BCC. `--quick` (CI, ~3 min): the long-tail mix at 0.6 of the work,
+the managed modes, 3 repeats (`--mixes` picks others at that scale). Everything started is
 stopped, the temp directory removed.
 """
 
@@ -693,7 +693,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="CI run: one mix, a fraction of the work")
     parser.add_argument("--modes", default=None, help="default: none,static,adaptive,elastic (quick: no none)")
     parser.add_argument("--mixes", default=None, help="heterogeneous,memory-heavy,long-tail (default: all; quick: one)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs of each mix and mode (default 3, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each mix and mode (default 3)")
     parser.add_argument("--interval", type=float, default=0.25, help="the agent's sample interval (s)")
     parser.add_argument("--timeout-s", type=float, default=None, help="per run (default 300, quick 60)")
     parser.add_argument("--placement", choices=("queue", "late"), default="queue",
@@ -742,7 +742,7 @@ def main() -> int:
     unknown = set(chosen) - set(all_mixes)
     if unknown:
         parser.error(f"unknown mix(es) {', '.join(sorted(unknown))}; use {', '.join(all_mixes)}")
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or 3
     timeout_s = args.timeout_s or (60.0 if args.quick else 300.0)
     retry_s = 0.5 if args.quick else RETRY_S
     knobs = ElasticKnobs(args.contended, args.elastic_throttle, args.elastic_divide,
