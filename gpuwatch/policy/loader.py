@@ -15,6 +15,7 @@ import difflib
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -56,6 +57,7 @@ from gpuwatch.policy.rules import (
 )
 
 T = TypeVar("T")
+E = TypeVar("E", bound=StrEnum)
 
 TOP_KEYS = (
     "version",
@@ -201,6 +203,15 @@ class _Reader:
             self.issue(node, f"{what} must be true or false, got {_describe(self, node)}", "write true or false")
             return None
         return value
+
+    def choice(self, node: Node, what: str, kind: type[E], noun: str, fix: str) -> E | None:
+        """One of the string enum `kind`'s values, or None with "<what>: unknown <noun> ..."."""
+        raw = self.scalar(node) if isinstance(node, ScalarNode) else None
+        try:
+            return kind(str(raw))
+        except ValueError:
+            self.issue(node, f"{what}: unknown {noun} {raw!r}", fix)
+            return None
 
     def integer(self, node: Node, what: str, minimum: int) -> int | None:
         value = self.scalar(node) if isinstance(node, ScalarNode) else None
@@ -693,17 +704,9 @@ def _parse_fair_share(reader: _Reader, node: Node) -> FairShareSettings | None:
     if "enabled" in keys:
         values["enabled"] = reader.boolean(keys["enabled"][1], "fair_share.enabled")
     if "split" in keys:
-        raw = reader.scalar(keys["split"][1]) if isinstance(keys["split"][1], ScalarNode) else None
-        try:
-            values["split"] = FairShareSplit(str(raw))
-        except ValueError:
-            reader.issue(
-                keys["split"][1],
-                f"fair_share.split: unknown split {raw!r}",
-                "use demand (adaptive: weighted by what each container asks for) or equal (static: "
-                "capacity / containers)",
-            )
-            values["split"] = None
+        values["split"] = reader.choice(keys["split"][1], "fair_share.split", FairShareSplit, "split",
+                                        "use demand (adaptive: weighted by what each container asks for) or equal "
+                                        "(static: capacity / containers)")
     ok = all(v is not None for v in values.values())
     return FairShareSettings(**values) if ok else None  # type: ignore[arg-type]
 
@@ -738,14 +741,9 @@ def _parse_rescheduling(reader: _Reader, node: Node) -> ReschedulingSettings | N
         values["headroom"] = reader.parsed(keys["headroom"][1], "rescheduling.headroom",
                                            partial(parse_ratio, maximum=1.0), RATIO_FORM + " up to 100%")
     if "order" in keys:
-        order_node = keys["order"][1]
-        raw = reader.scalar(order_node) if isinstance(order_node, ScalarNode) else None
-        try:
-            values["order"] = AdmissionOrder(str(raw))
-        except ValueError:
-            reader.issue(order_node, f"rescheduling.order: unknown order {raw!r}",
-                         'write "arrival" (first come, first admitted) or "smallest" (smallest demand first)')
-            values["order"] = None
+        values["order"] = reader.choice(keys["order"][1], "rescheduling.order", AdmissionOrder, "order",
+                                        'write "arrival" (first come, first admitted) or "smallest" (smallest '
+                                        'demand first)')
     ok &= all(v is not None for k, v in values.items() if k != "checkpoint_after_s")
     return ReschedulingSettings(**values) if ok else None  # type: ignore[arg-type]
 
@@ -774,23 +772,13 @@ def _parse_elastic(reader: _Reader, node: Node) -> ElasticSettings | None:
             values[field_name] = reader.parsed(keys[key][1], f"elastic.{key}", partial(parse_ratio, maximum=maximum),
                                                RATIO_FORM + f" up to {maximum:.0%}")
     if "throttle" in keys:
-        raw = reader.scalar(keys["throttle"][1]) if isinstance(keys["throttle"][1], ScalarNode) else None
-        try:
-            values["throttle"] = ElasticThrottle(str(raw))
-        except ValueError:
-            reader.issue(keys["throttle"][1], f"elastic.throttle: unknown value {raw!r}",
-                         'write "all-but-top" (every tenant but the largest share) or "yielding" (only the jobs '
-                         'that yield)')
-            values["throttle"] = None
+        values["throttle"] = reader.choice(keys["throttle"][1], "elastic.throttle", ElasticThrottle, "value",
+                                           'write "all-but-top" (every tenant but the largest share) or "yielding" '
+                                           '(only the jobs that yield)')
     if "divide" in keys:
-        raw = reader.scalar(keys["divide"][1]) if isinstance(keys["divide"][1], ScalarNode) else None
-        try:
-            values["divide"] = ElasticDivide(str(raw))
-        except ValueError:
-            reader.issue(keys["divide"][1], f"elastic.divide: unknown value {raw!r}",
-                         'write "efficiency" (in proportion to growth efficiency) or "plateau" (only plateaued '
-                         'jobs yield)')
-            values["divide"] = None
+        values["divide"] = reader.choice(keys["divide"][1], "elastic.divide", ElasticDivide, "value",
+                                         'write "efficiency" (in proportion to growth efficiency) or "plateau" '
+                                         '(only plateaued jobs yield)')
     if "checkpoint_plateaued" in keys:
         values["checkpoint_plateaued"] = reader.boolean(keys["checkpoint_plateaued"][1],
                                                         "elastic.checkpoint_plateaued")

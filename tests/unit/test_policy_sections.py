@@ -62,7 +62,8 @@ def test_admission_order_headroom_and_contended() -> None:
     assert ReschedulingSettings().order is AdmissionOrder.ARRIVAL and ReschedulingSettings().headroom == 1.0
     assert ElasticSettings().contended == 0.0 and ElasticSettings().throttle is ElasticThrottle.ALL_BUT_TOP
     bad, issues = check_policy_text(
-        "rescheduling: {order: biggest, headroom: 150%}\nelastic: {contended: 2, throttle: nobody}\n" + RULES,
+        "rescheduling: {order: biggest, headroom: 150%}\n"
+        "elastic: {contended: 2, throttle: nobody, divide: fastest, checkpoint_plateaued: maybe}\n" + RULES,
         "p.yaml")
     assert bad is None
     messages = [str(i) for i in issues]
@@ -70,3 +71,5 @@ def test_admission_order_headroom_and_contended() -> None:
     assert any(m.startswith("p.yaml:1: rescheduling.headroom") for m in messages), messages
     assert any(m.startswith("p.yaml:2: elastic.contended") for m in messages), messages
     assert any(m.startswith("p.yaml:2: elastic.throttle: unknown value 'nobody'") for m in messages), messages
+    assert any(m.startswith("p.yaml:2: elastic.divide: unknown value 'fastest'") for m in messages), messages
+    assert any(m.startswith("p.yaml:2: elastic.checkpoint_plateaued must be true or false") for m in messages), messages
