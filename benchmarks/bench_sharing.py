@@ -396,8 +396,9 @@ class Run:
     def __init__(self, pipeline: Pipeline, lab: Any, sim: Any, mode: str, mix: str, jobs: list[Job], work: Path,
                  timeout_s: float, retry_s: float, gpus: int = GPUS, repeat: int = 0, late_binding: bool = False,
                  requeue_after_s: float | None = None, order: str = "smallest", headroom: float = 1.0,
-                 elastic: ElasticKnobs | None = None) -> None:
+                 elastic: ElasticKnobs | None = None, fit: str = "binpack", node_queue: str = "arrival") -> None:
         self.pipeline, self.lab, self.sim = pipeline, lab, sim
+        self.fit, self.node_queue = fit, node_queue
         self.gpus = gpus
         self.late_binding = late_binding
         self.order = order
@@ -436,7 +437,8 @@ class Run:
         for index in range(self.gpus):
             placed = [r for r in self.jobs if r.gpu == index and r.done_s is None]
             loads.append(GpuLoad(index, 8 * GIB, sum(r.job.footprint_mib for r in placed) * MIB, len(placed)))
-        return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB, queue_on_gpu=not self.late_binding)
+        return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB, queue_on_gpu=not self.late_binding,
+                          policy=self.fit)
 
     def _memory_ratio(self) -> float:
         from gpuwatch.sim import node as simnode
@@ -536,8 +538,9 @@ class Run:
                 now = time.monotonic() - t0
                 self.memory.append((now, self._memory_ratio()))
                 view = self._top_states()
-                # the node's queue: arrival order, or (order smallest) the smallest declared demand first
-                line = sorted(self.jobs, key=lambda r: r.job.footprint_mib) if self.order == "smallest" else self.jobs
+                # the node's queue (pending pods): arrival order, or the smallest declared demand first
+                line = sorted(self.jobs, key=lambda r: r.job.footprint_mib) if self.node_queue == "smallest" \
+                    else self.jobs
                 for run in line:
                     if run.done_s is not None:
                         continue
@@ -699,6 +702,12 @@ def main() -> int:
     parser.add_argument("--placement", choices=("queue", "late"), default="queue",
                         help="a job that fits on no GPU: queue on the GPU where its context fits, or wait at the "
                              "node until a GPU has room for all of it (late binding)")
+    parser.add_argument("--fit", choices=("binpack", "spread"), default="binpack",
+                        help="placement among the GPUs where a job's declared demand fits: the fullest (binpack, the "
+                             "extender's default) or the emptiest (spread)")
+    parser.add_argument("--node-queue", choices=("arrival", "smallest"), default="arrival",
+                        help="order of the jobs waiting at the node for a GPU (pending pods): arrival "
+                             "(default: kube-scheduler's PrioritySort, one priority) or smallest declared demand first")
     parser.add_argument("--requeue-after", type=float, default=None,
                         help="adaptive/elastic: a job waiting for memory this long (s) is checkpointed and placed "
                              "again (rescheduling.checkpoint_after; default: never)")
@@ -760,7 +769,9 @@ def main() -> int:
             pipeline = Pipeline(sim, dirs, work, args.interval)
             stack.callback(pipeline.close)
             print(f"simulated node: {GPUS} GPUs of 8 GiB; agent interval {args.interval:g} s; {repeats} repeats; "
-                  f"set up in {time.monotonic() - started:.1f} s; placement {args.placement}, order {args.order}, "
+                  f"set up in {time.monotonic() - started:.1f} s; placement {args.placement} {args.fit}, "
+                  f"order {args.order}, "
+                  f"node queue {args.node_queue}, "
                   f"headroom {args.headroom:.0%}, requeue after {args.requeue_after or 'never'}, "
                   f"elastic{knobs.text()}", flush=True)
             for mix in chosen:
@@ -771,7 +782,8 @@ def main() -> int:
                         run = Run(pipeline, lab, sim, mode, mix, all_mixes[mix], work, timeout_s, retry_s,
                                   repeat=repeat, late_binding=args.placement == "late",
                                   requeue_after_s=args.requeue_after, order=args.order,
-                                  headroom=args.headroom, elastic=knobs)
+                                  headroom=args.headroom, elastic=knobs, fit=args.fit,
+                                  node_queue=args.node_queue)
                         result = run.execute()
                         runs[mode].append(result)
                         print(f"  {mix} / {mode} #{repeat + 1}: {time.monotonic() - t:.1f} s, "

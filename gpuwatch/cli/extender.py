@@ -11,6 +11,7 @@ import click
 
 from gpuwatch.cli.addresses import parse_listen
 from gpuwatch.cli.envvars import with_env_options
+from gpuwatch.policy.placement import PLACEMENT_POLICIES
 
 log = logging.getLogger("gpuwatch.extender")
 
@@ -41,7 +42,7 @@ def _size(text: str) -> int:
               help="Where kube-scheduler calls the verbs. In a cluster: 0.0.0.0:8888 behind a Service.")
 @click.option("--prometheus-url", required=True, metavar="URL",
               help="The Prometheus that scrapes every node's gpuwatch agent, e.g. http://prometheus:9090.")
-@click.option("--policy", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
+@click.option("--policy", type=click.Choice(PLACEMENT_POLICIES), default="binpack", show_default=True,
               help="binpack: fullest GPUs/nodes that still fit (keeps whole nodes free); spread: emptiest.")
 @click.option("--url-prefix", default="", metavar="PATH",
               help="Path before the verbs: kube-scheduler's urlPrefix path part (e.g. /gpuwatch).")

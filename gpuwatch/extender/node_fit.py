@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from gpuwatch.cluster.values import ClusterGpu, ClusterNode, ClusterState
 from gpuwatch.extender.promises import Promise
 from gpuwatch.extender.request import GpuRequest, Sharing, format_bytes
+from gpuwatch.policy.placement import GpuLoad, choose_gpu
 
 LARGE_FRACTION = 0.5
 MAX_EXACT_SET_GPUS = 10  # exact best GPU set up to this many candidates, greedy beyond
@@ -245,13 +246,18 @@ def _pair_sum(indices: Sequence[int], node: ClusterNode) -> float:
 
 
 def _best_set(fitting: Sequence[_Gpu], k: int, node: ClusterNode, policy: str) -> list[_Gpu]:
-    """The k GPUs to take: best pair-score sum, ties broken by the packing policy."""
+    """The k GPUs to take: one GPU by the node's placement rule (policy/placement.py, the rule
+    bench_sharing places its jobs by); several by the best pair-score sum, ties broken by the
+    packing policy."""
+    if k <= 1:
+        loads = [GpuLoad(i, int(c.free_bytes), 0, c.tenants) for i, c in enumerate(fitting)]
+        chosen_index = choose_gpu(0, loads, policy=policy, queue_on_gpu=False)
+        return [] if chosen_index is None else [fitting[chosen_index]]
+
     def order(c: _Gpu) -> float:  # binpack: least free first; spread: most free first
         return c.free_bytes if policy == "binpack" else -c.free_bytes
 
     ranked = sorted(fitting, key=order)
-    if k <= 1:
-        return ranked[:1]
     scores = {(a, b): s for a, b, s in node.pair_scores}
     if len(ranked) <= MAX_EXACT_SET_GPUS:
         best = max(itertools.combinations(ranked, k),

@@ -200,6 +200,16 @@ def test_binpack_prefers_fuller_nodes_spread_the_emptier() -> None:
     assert all(0 <= s <= 10 for s in (*packed.values(), *spread.values()))
 
 
+@pytest.mark.parametrize(("policy", "expected_gpu"), [("binpack", 1), ("spread", 2)])
+def test_within_a_node_the_gpu_is_chosen_by_the_nodes_placement_rule(policy: str, expected_gpu: int) -> None:
+    """One GPU of a node: the fullest that fits (binpack) or the emptiest (spread) -- the rule
+    of gpuwatch/policy/placement.py that bench_sharing places its jobs by."""
+    gpus = [gpu("n", 0, 6), gpu("n", 1, 12), gpu("n", 2, 70), gpu("n", 3, 40)]
+    ext = extender(cluster(node("n", gpus)), policy)
+    assert scores(ext, pod({"gpuwatch.io/gpu-memory": "8Gi"}), ["n"])  # it fits
+    assert ext.promises.current()[0].gpus == (expected_gpu,)  # GPU 0's 6 GiB is too little
+
+
 def test_two_gpu_pods_go_where_the_gpus_are_linked() -> None:
     gpus = lambda n: [gpu(n, i, 80) for i in range(4)]  # noqa: E731
     nvlink = node("nvlink", gpus("nvlink"), pairs={(0, 1): 450, (2, 3): 450, (0, 2): 10, (0, 3): 10, (1, 2): 10,
