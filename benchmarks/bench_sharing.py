@@ -4,7 +4,8 @@ elastic GPU time (FlowCon).
 
     sudo .venv/bin/python benchmarks/bench_sharing.py [--quick] [--repeats N]
                          [--mixes heterogeneous,memory-heavy,long-tail] [--modes none,static,adaptive,elastic]
-                         [--order smallest|arrival] [--placement queue|late] [--headroom F]
+                         [--order smallest|arrival] [--placement queue|late] [--fit binpack|spread]
+                         [--node-queue arrival|smallest] [--headroom F]
                          [--requeue-after S] [--contended F] [--elastic-throttle all-but-top|yielding]
                          [--elastic-divide plateau|efficiency] [--checkpoint-plateaued on|off]
                          [--load N] [--kernel-host sleep|spin] [--keep]
@@ -22,10 +23,13 @@ gpuwatch.io/progress-file annotation. A job's memory is its whole footprint as i
 declares it: its CUDA context (518 MiB as on an H100, passed explicitly: --context-mib) and
 data in whole 2 MiB pages. Each mix is submitted `--load` times (default 2: the node has a
 queue of about twice the mix's demand, as in a busy cluster). Jobs arrive 0.3 s apart and
-are placed on a GPU at arrival by gpuwatch/policy/placement.py (the same rule in every mode:
-spread by declared demand; a job that fits nowhere waits on a GPU where its context fits
-beside every promise, or at the node; `--placement late`: it always waits at the node until a
-GPU has room for all of it).
+are placed on a GPU at arrival by gpuwatch/policy/placement.py (the rule the extender picks a
+pod's GPU on a node by, the same in every mode: binpack by declared demand -- the fullest GPU
+where it fits, `--fit spread`: the emptiest; a job that fits nowhere waits on a GPU where its
+context fits beside every promise, or at the node; `--placement late`: it always waits at the
+node until a GPU has room for all of it). Jobs waiting at the node (pending pods) are taken in
+arrival order, as kube-scheduler's PrioritySort takes pods of one priority (`--node-queue
+smallest`: the smallest declared demand first).
 The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
 it (sampler, kernel probes with the limit map, enforcer with freezer and throttle), with one
 policy per mode:
@@ -48,8 +52,6 @@ policy per mode:
   keep the engine busy F of the time or more; `--elastic-throttle yielding`: only the
   yielding jobs are throttled.
 
-The order also orders the node's queue (jobs waiting for a GPU, in every mode).
-
 Per run: average job completion (arrival to done), makespan, time-averaged GPU memory
 utilisation of the node, OOM failures, mean time to 95 % of each job's final progress, and
 what `gpuwatch top`'s STATE column said of each job against what the kernel and the cgroups
@@ -66,6 +68,7 @@ stopped, the temp directory removed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -586,12 +589,17 @@ class Run:
             "view": view_check(self.jobs),
             "jobs": {r.job.name: {"gpu": r.gpu,
                                   "completion_s": round(r.done_s - r.job.arrival_s, 2) if r.done_s else None,
-                                  "attempts": r.attempts, "oom": r.oom_failures,
+                                  "attempts": r.attempts, "oom": r.oom_failures, "waited_s": waited_s(r.seen),
                                   "t95_s": round(c - r.job.arrival_s, 2) if (c := t95(
                                       r.samples, r.job.start, r.job.loss(r.job.work_s))) is not None else None,
                                   **({"notes": r.notes} if r.notes else {})}
                      for r in self.jobs},
         }
+
+
+def waited_s(seen: list[Seen]) -> float:
+    """Seconds a job was seen stopped at an allocation (each look counts until the next)."""
+    return round(sum(b.t - a.t for a, b in itertools.pairwise(seen) if a.stopped), 2)
 
 
 def time_average(samples: list[tuple[float, float]], until_s: float) -> float | None:
