@@ -219,6 +219,9 @@ class Pipeline:
         self.sampler = build_sampler(nvml_library=str(sim.libraries.nvml_path), interval_s=interval_s,
                                      node="bench", probe_source=self.probes, bundle_roots=self.roots)
         self.sampler.start()
+        from gpuwatch.agent.event_pump import EventPump
+
+        self.pump = EventPump(self.probes.poll_events, self.sampler.wake).start()
         self.enforcer: Any = None
         self.errors: list[str] = []
         self._lock = threading.Lock()
@@ -230,12 +233,12 @@ class Pipeline:
         from gpuwatch.core.errors import GpuwatchError
 
         last = 0.0
-        while not self._stop.wait(self.interval_s / 4):
-            snapshot = self.sampler.latest()
+        while not self._stop.is_set():
+            snapshot = self.sampler.wait_newer(last, timeout_s=self.interval_s / 4)
             if snapshot.timestamp_s == last:
                 continue
             last = snapshot.timestamp_s
-            events = self.probes.poll_events(0)
+            events = self.pump.take()
             with self._lock:
                 enforcer = self.enforcer
                 if enforcer is None:
@@ -255,7 +258,7 @@ class Pipeline:
         with self._lock:
             if self.enforcer is not None:
                 self.enforcer.close()
-            self.probes.poll_events(0)  # events of the previous run are not this one's
+            self.pump.take()  # events of the previous run are not this one's
             settings = EnforcerConfig(frozen_state_path=self.work / "frozen.json", recover=False,
                                       lock_path=self.work / "agent.lock")
             self.enforcer = build_enforcer(
@@ -265,6 +268,7 @@ class Pipeline:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.pump.stop()
         with self._lock:
             if self.enforcer is not None:
                 self.enforcer.close()

@@ -4,8 +4,8 @@
  * cgroup (no iteration over allocation maps: the totals are kept per tgid) and drop its
  * state; its fd/allocation entries become stale (generation mismatch) and user space sweeps
  * them. exec() replaces the image: the driver state of a CUDA process dies with it (libcuda
- * opens the device nodes O_CLOEXEC), so exec releases like exit. Every exiting thread drops
- * its in-flight records. */
+ * opens the device nodes O_CLOEXEC), so exec releases like exit. Either emits one event
+ * (rare: once per GPU process). Every exiting thread drops its in-flight records. */
 
 static __always_inline void gw_release_tgid(u32 tgid, struct gw_tgid_state *st, u32 ev_type)
 {
@@ -20,9 +20,9 @@ static __always_inline void gw_release_tgid(u32 tgid, struct gw_tgid_state *st, 
         gw_mem_account(cg, GW_DEV_CUDA, -st->cuda_bytes, GW_MEM_RELEASE);
     gw_tgids.delete(&tgid);
     gw_stat(GW_STAT_EXITS);
-#if GW_VERBOSE_EVENTS
+    /* always (not only verbose): one event per GPU process's end, so the agent's event pump
+     * can admit a waiting container as soon as the memory is freed */
     gw_emit(ev_type, cg, 0, 0, GW_DEV_UNKNOWN, 0, 0);
-#endif
 }
 
 int gw_sched_exit(void *ctx)

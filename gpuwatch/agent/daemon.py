@@ -318,10 +318,20 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
         log.info("serving metrics on http://%s:%d/metrics (node %s, interval %.2fs)",
                  config.listen_host, server.port, node, config.interval_s)
         _start_webhook(config, stack, enforcer, webhook_token, registry)
+        pump = None
+        if enforcer is not None and probes is not None:
+            from gpuwatch.agent.event_pump import EventPump
+
+            # stops, OOMs and GPU-process exits wake the sampler: admission within a cycle, not an interval
+            pump = EventPump(probes.poll_events, sampler.wake).start()
+            stack.callback(pump.stop)  # before the probes close their ring (the stack unwinds backwards)
         last_seen = 0.0
-        # Wake a few times per interval so a new snapshot reaches the enforcer promptly
-        # (the sampler publishes on its own phase); a wake-up with nothing new costs nothing.
-        while not stop.wait(timeout=min(config.interval_s / 4, 0.25)):
+        # Each snapshot reaches the enforcer as soon as the sampler publishes it; the timeout
+        # bounds how long a stop or a reload request waits.
+        while not stop.is_set():
+            sampler.wait_newer(last_seen, timeout_s=min(config.interval_s / 4, 0.25))
+            if stop.is_set():
+                break
             if reload_requested.is_set():
                 reload_requested.clear()
                 if enforcer is not None:
@@ -335,7 +345,7 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
             if nfd is not None:
                 nfd.update(snapshot)
             if enforcer is not None:
-                events = probes.poll_events(0) if probes is not None else ()
+                events = pump.take() if pump is not None else ()
                 try:
                     enforcer.on_snapshot(snapshot, events)
                 except GpuwatchError as err:

@@ -267,8 +267,11 @@ class Enforcer:
             self.kernel_guard.observe(snapshot)
             suspended = self.kernel_guard.suspended_keys()
             gate_new = policy.fair_share.enabled and policy.rescheduling.gate_new
-            self.kernel_limits.push(policy, result, self._identities, snapshot, suspended,
-                                    self._not_yet_on_a_gpu(policy) if gate_new else ())
+            gated = self._not_yet_on_a_gpu(policy) if gate_new else []
+            self.kernel_limits.push(policy, result, self._identities, snapshot, suspended, gated)
+            if gated:  # next round: one of them holding its CUDA context is still not admitted
+                memory = replace(self.state.memory, gated=frozenset(i.key for i in gated if i.cgroup_id is not None))
+                self.state = replace(self.state, memory=memory)
             self.sharing.push_devices(policy, result, self._identities, snapshot)
             self.sharing.throttles(policy, result, self._identities, snapshot, clock(), self.actions.control,
                                    self._carry_out)

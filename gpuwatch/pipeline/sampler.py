@@ -14,6 +14,12 @@ nothing, because nothing is known about the time the GPU could not be read.
 
 Cycle cost is measured on every cycle: wall time into `Snapshot.cycle_seconds`, thread
 CPU time into `Snapshot.cycle_cpu_seconds`.
+
+Between ticks, `wake()` asks for a cycle now (the agent's event pump calls it when the kernel
+stops an allocation or a GPU process exits, so a waiting container is admitted within one
+cycle instead of up to one interval later); woken cycles are at least `wake_gap_s` apart, so
+a storm of events costs at most one cycle per gap. `wait_newer()` lets a consumer run on
+each snapshot as soon as it is published.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ if TYPE_CHECKING:
     from gpuwatch.containers import BundleRoots
 
 log = logging.getLogger(__name__)
+
+MIN_WAKE_GAP_S = 0.05
+"""Woken cycles are at least max(this, interval / 10) apart (and never more than an interval)."""
 
 
 class IdentitySource(Protocol):
@@ -119,6 +128,9 @@ class Sampler:
                                 gpu_error="no sample taken yet", interval_s=interval_s)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self.wake_gap_s = min(interval_s, max(MIN_WAKE_GAP_S, interval_s / 10))
+        self._published = threading.Condition()
         self._cycle_lock = threading.Lock()  # run_once from the loop and a caller never interleave
         self._loop_beat_s: float | None = None  # time.monotonic() when the loop last finished a cycle
 
@@ -127,6 +139,18 @@ class Sampler:
     def latest(self) -> Snapshot:
         """The most recently published snapshot (never blocks)."""
         return self._latest
+
+    def wait_newer(self, timestamp_s: float, timeout_s: float) -> Snapshot:
+        """The latest snapshot once one newer than `timestamp_s` is published, or after
+        `timeout_s` whatever it is (the caller compares timestamps)."""
+        with self._published:
+            self._published.wait_for(lambda: self._latest.timestamp_s != timestamp_s, timeout=timeout_s)
+            return self._latest
+
+    def wake(self) -> None:
+        """Take a cycle now rather than at the next tick (at most one per `wake_gap_s`); a
+        no-op when the loop is not running."""
+        self._wake.set()
 
     def run_once(self) -> Snapshot:
         """Take one sample, publish it and return it."""
@@ -137,7 +161,7 @@ class Sampler:
             comparison = tuple(compare_probe_nvml(snapshot).values())  # once per interval, for every reader
             snapshot = dataclasses.replace(snapshot, probe_nvml=comparison, cycle_seconds=time.perf_counter() - wall0,
                                            cycle_cpu_seconds=time.thread_time() - cpu0)
-            self._latest = snapshot
+            self._publish(snapshot)
             return snapshot
 
     def start(self) -> None:
@@ -151,6 +175,7 @@ class Sampler:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop and close the backend."""
         self._stopping.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
@@ -170,21 +195,29 @@ class Sampler:
 
     # ---- internals --------------------------------------------------------------------
 
+    def _publish(self, snapshot: Snapshot) -> None:
+        with self._published:
+            self._latest = snapshot
+            self._published.notify_all()
+
     def _loop(self) -> None:
         next_at = time.monotonic()
         while not self._stopping.is_set():
+            self._wake.clear()  # a wake during this cycle asks for the next one
             try:
                 self.run_once()
             except Exception as err:  # a bug in a source must not kill the agent: log, publish, go on
                 log.exception("sampler cycle failed")
-                self._latest = dataclasses.replace(self._latest, gpu_up=False,
-                                                   gpu_error=f"sampler cycle failed: {err!r}")
+                self._publish(dataclasses.replace(self._latest, gpu_up=False,
+                                                  gpu_error=f"sampler cycle failed: {err!r}"))
             next_at += self.interval_s
             now = time.monotonic()
             self._loop_beat_s = now
             if next_at < now:  # overran: skip missed ticks instead of bursting
                 next_at = now + self.interval_s
-            self._stopping.wait(next_at - now)
+            if self._wake.wait(next_at - now) and not self._stopping.is_set():
+                self._stopping.wait(now + self.wake_gap_s - time.monotonic())  # woken: not sooner than the gap
+                next_at = time.monotonic()  # the ticks go on an interval after this cycle
 
     def _drop_backend(self) -> None:
         if self._backend is not None:

@@ -80,6 +80,10 @@ class ArbitrationState:
     """(GPU, key) -> bytes the container may hold on that GPU (last round)."""
     checkpointed: frozenset[str] = frozenset()
     """Containers sent the checkpoint signal for waiting too long (not admitted again)."""
+    gated: frozenset[str] = frozenset()
+    """Containers the enforcer held for admission at their first allocation while they were on
+    no GPU yet (rescheduling.gate_new; set by the enforcer after each round): one that shows up
+    holding only what it made before that allocation (its CUDA context) is still not admitted."""
 
 
 @dataclass(frozen=True)
@@ -514,7 +518,12 @@ class _Round:
         fresh: set[str] = set()
         for s in running:
             base[s.key] = s.held + (s.pending if s.key in admitted_keys else 0)
-            started = s.key in admitted_keys or s.held > 0 or (prev[s.key] or 0) > 0
+            # held memory starts a container only if it was not held back last round: a gated
+            # container that has made its CUDA context since still waits for its first admission
+            # (else a round between the context and the first allocation promised it everything)
+            last = prev[s.key]
+            held_back = last == 0 or (last is None and s.key in self.prev.gated)
+            started = s.key in admitted_keys or (last or 0) > 0 or (s.held > 0 and not held_back)
             if started:
                 base[s.key] = max(base[s.key], s.promise)  # admitted for all it declared (or its headroom)
             elif self.policy.rescheduling.gate_new:

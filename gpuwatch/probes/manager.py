@@ -371,7 +371,8 @@ class ProbeManager:
         return {"gpu_id_to_minor": read("gw_gpu_minor"), "instance_to_gpu_id": read("gw_gpu_instance")}
 
     def poll_events(self, timeout_ms: int) -> list[KernelEvent]:
-        """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop).
+        """Rare events (new GPU process, OOM return, over-limit allocation, kill, stop, GPU process
+        exit or exec).
         Waits without holding the manager's lock, so read() and stop() are never blocked."""
         ring = self._ring
         if ring is None:

@@ -1,6 +1,7 @@
 """The agent's pipeline in the test process, wired as `gpuwatch agent --policy` wires it (sampler
 over the simulated node's NVML with container identities from the runc bundles, kernel probes
-with uprobes on the simulated libcuda, the enforcer with its actions), for system tests that
+with uprobes on the simulated libcuda, the probes' event pump that wakes the sampler, the
+enforcer with its actions), for system tests that
 need the probes' stop-at-allocation: the agent CLI finds libcuda by itself only once a GPU
 process maps it, so a test's first allocation could run before the uprobe is attached; here
 the library path is given.
@@ -53,6 +54,9 @@ class InProcessAgent:
             self.probes.stop()
             raise
         self.sampler.start()
+        from gpuwatch.agent.event_pump import EventPump
+
+        self.pump = EventPump(self.probes.poll_events, self.sampler.wake).start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="test-agent", daemon=True)
         self._thread.start()
@@ -61,13 +65,13 @@ class InProcessAgent:
         from gpuwatch.core.errors import GpuwatchError
 
         last = 0.0
-        while not self._stop.wait(self.interval_s / 4):
-            snapshot = self.sampler.latest()
+        while not self._stop.is_set():
+            snapshot = self.sampler.wait_newer(last, timeout_s=self.interval_s / 4)
             if snapshot.timestamp_s == last:
                 continue
             last = snapshot.timestamp_s
             try:
-                self.enforcer.on_snapshot(snapshot, self.probes.poll_events(0))
+                self.enforcer.on_snapshot(snapshot, self.pump.take())
             except GpuwatchError as err:
                 self.errors.append(str(err))
 
@@ -78,6 +82,7 @@ class InProcessAgent:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.pump.stop()
         self.enforcer.close()
         self.sampler.stop()
         self.probes.stop()

@@ -5,6 +5,8 @@ more than the GPU, waiting requests survive their event, the checkpoint deadline
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpuwatch.policy.arbitration import ArbitrationInput, ArbitrationState, arbitrate_memory
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.events import ProbeEvent, ProbeEventKind
@@ -212,6 +214,33 @@ def test_declared_demand_admits_whole_jobs_so_growing_jobs_never_deadlock() -> N
     result = d.step(snap(4.0, usage(jobs[1], 3 * GIB), *(usage(j, 0) for j in jobs[2:]), total=8 * GIB,
                          free=5 * GIB))
     assert moves(result) == [("release", "j2", True)]
+
+
+def test_a_gated_job_that_has_made_its_context_still_waits_for_admission() -> None:
+    # Seen with the agent's event pump (a round woken by another job's stop): a round between a
+    # gated job's CUDA context and its first allocation promised it all it declared on a full
+    # GPU; its allocation went through and the driver answered out of memory.
+    context = 512 << 20
+    d = Driver(policy(DECLARED.replace("SPLIT", "demand")))
+    holder, late = ident("holder"), ident("late")
+    d.step(snap(1.0, usage(holder, 3 * GIB), usage(late, 0), total=4 * GIB, free=GIB))
+    result = d.step(snap(2.0, usage(holder, 3 * GIB), usage(late, context), total=4 * GIB, free=GIB - context))
+    assert result.effective_limits_bytes[late.key] == 0  # still gated: its first allocation stops
+    assert moves(result) == []
+    result = d.step(snap(3.0, usage(holder, 3 * GIB), usage(late, context), total=4 * GIB, free=GIB - context),
+                    [stop(late, 2.5, GIB)])
+    assert moves(result) == [("pause", "late", False)]  # 3 GiB declared do not fit in 0.5 free
+    result = d.step(snap(4.0, usage(late, context), total=4 * GIB, free=4 * GIB - context))
+    assert moves(result) == [("release", "late", True)]
+    assert result.effective_limits_bytes[late.key] >= 3 * GIB  # all it declared (alone: the spare too)
+
+    # the same when the gate held it while it was on no GPU (the enforcer's node listing, not a
+    # seat of the round): the enforcer names it in the state as gated
+    d = Driver(policy(DECLARED.replace("SPLIT", "demand")))
+    d.step(snap(1.0, usage(holder, 3 * GIB), total=4 * GIB, free=GIB))
+    d.state = replace(d.state, memory=replace(d.state.memory, gated=frozenset({late.key})))
+    result = d.step(snap(2.0, usage(holder, 3 * GIB), usage(late, context), total=4 * GIB, free=GIB - context))
+    assert result.effective_limits_bytes[late.key] == 0
 
 
 def test_static_split_keeps_a_big_job_out_of_memory_that_adaptive_would_give_it() -> None:

@@ -194,3 +194,38 @@ def test_a_pid_gone_from_proc_but_still_listed_keeps_its_container() -> None:
     world.procs[(10, 0)] = (GIB, 0.5)  # the pid number comes back, unknown to /proc: host
     world.now_s += 1
     assert [c.identity.runtime for c in sampler.run_once().containers] == ["host"]
+
+
+def test_wake_takes_a_cycle_now_and_a_storm_of_wakes_is_rate_limited() -> None:
+    world = FakeWorld(procs={(10, 0): (GIB, 0.5)})
+    sampler = Sampler(factory_for(world), FakeResolver(), "n", interval_s=5.0)  # wake gap: 0.5 s
+    assert sampler.wake_gap_s == 0.5
+    sampler.start()
+    try:
+        first = sampler.wait_newer(sampler.latest().timestamp_s, timeout_s=5)
+        time.sleep(sampler.wake_gap_s)
+        world.now_s += 1  # the fake GPU's clock: the next sweep's timestamp
+        woken_at = time.monotonic()
+        sampler.wake()
+        second = sampler.wait_newer(first.timestamp_s, timeout_s=4)
+        assert second.timestamp_s != first.timestamp_s, "wake() did not take a cycle before the next tick"
+        assert time.monotonic() - woken_at < 2.5  # the tick was 5 s away
+        before = world.sweeps
+        storm_end = time.monotonic() + 1.5
+        while time.monotonic() < storm_end:  # 150 wakes in 1.5 s: at most one cycle per 0.5 s gap
+            sampler.wake()
+            time.sleep(0.01)
+        assert 1 <= world.sweeps - before <= 4
+    finally:
+        sampler.stop()
+    assert not sampler.running
+
+
+def test_wait_newer_returns_the_same_snapshot_when_nothing_is_published() -> None:
+    world = FakeWorld(procs={(10, 0): (GIB, 0.5)})
+    sampler = Sampler(factory_for(world), FakeResolver(), "n", interval_s=1.0)
+    published = sampler.run_once()
+    t0 = time.monotonic()
+    assert sampler.wait_newer(published.timestamp_s, timeout_s=0.2) is published
+    assert time.monotonic() - t0 >= 0.19
+    assert sampler.wait_newer(published.timestamp_s - 1, timeout_s=5) is published  # already newer: at once
