@@ -31,7 +31,8 @@ node until a GPU has room for all of it). Jobs waiting at the node (pending pods
 arrival order, as kube-scheduler's PrioritySort takes pods of one priority (`--node-queue
 smallest`: the smallest declared demand first).
 The agent's pipeline runs in this process exactly as `gpuwatch agent --policy` wires
-it (sampler, kernel probes with the limit map, enforcer with freezer and throttle), with one
+it (sampler, kernel probes with the limit map and the event pump that wakes the sampler,
+enforcer with freezer and throttle), with one
 policy per mode:
 
 * none: a catch-all rule without limits. A job whose allocation finds the GPU full gets
