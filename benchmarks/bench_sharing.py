@@ -725,7 +725,7 @@ def main() -> int:
                         help="adaptive/elastic: a job waiting for memory this long (s) is checkpointed and placed "
                              "again (rescheduling.checkpoint_after; default: never)")
     parser.add_argument("--order", choices=("arrival", "smallest"), default="smallest",
-                        help="adaptive/elastic admission order (rescheduling.order) and the node queue's order")
+                        help="adaptive/elastic admission order on a GPU (rescheduling.order)")
     parser.add_argument("--headroom", type=float, default=1.0,
                         help="adaptive/elastic: admit a job for its current footprint + this fraction of its "
                              "declared demand (rescheduling.headroom; default 1: the whole declared demand)")
