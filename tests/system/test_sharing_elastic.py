@@ -125,12 +125,13 @@ def test_elastic_shares_follow_progress_and_top_shows_why(tmp_path: Path) -> Non
     assert view["garbage"]["elastic_role"] == "fair" and view["garbage"]["time_share"] == pytest.approx(1 / 3, abs=1e-3)
     assert view["learner"]["state"] == "running" and view["learner"]["elastic_role"] == "gaining"
     assert view["learner"]["elastic_share"] == pytest.approx(1 - view["plateau"]["time_share"] - 1 / 3, abs=0.01)
-    # the learner gets what the others leave: more than under plain time slicing, though far
-    # less than its elastic share (~0.55): with the others frozen the simulated engine idles
-    # ~16 % of the time (the three shares add up to ~0.84, against ~0.95 before the division).
-    # Over 9 runs on this VM the learner's gain was +0.011 to +0.068, so the bar is a rise, not
-    # a margin (a 0.03 margin failed 2 of them and one CI run).
-    assert shares["learner"] > plain["learner"] and shares["learner"] >= 2 * shares["plateau"], (plain, shares)
+    # the learner gets what the others leave: more than under plain time slicing, though less
+    # than its elastic share (~0.53: the learner itself leaves gaps between its kernels). Since
+    # the simulated engine stopped idling 20 ms at every freeze (sim README, "Frozen tenants"),
+    # the three shares add up to ~0.91 after the division (~0.84 before that fix) and the
+    # learner's gain over 4 runs here was +0.090 to +0.142 (+0.011 to +0.068 before).
+    assert shares["learner"] >= plain["learner"] + 0.05 and shares["learner"] >= 2 * shares["plateau"], (
+        plain, shares)
     assert shares["plateau"] <= 0.2 < plain["plateau"], (plain, shares)
     assert 0.22 <= shares["garbage"] <= 0.42, shares  # its fair third, whatever its file says
     errors = sample(last, "gpuwatch_container_progress_read_errors_total", pod="garbage", reason="garbage")

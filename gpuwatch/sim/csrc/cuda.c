@@ -2167,15 +2167,20 @@ static int engine_acquire(struct engine_hold *hd, int phys, int slot, int sfd, s
     read_runnable(sfd, &before);
     *head_ns = 0;
     int rc = -1;
+    uint64_t stale_us = sim_engine_stale_us(h);
     while (!__atomic_load_n(&h->devices[phys].lost, __ATOMIC_ACQUIRE)) {
         uint32_t seq = __atomic_load_n(&e->wait_wake[slot], __ATOMIC_SEQ_CST);
         uint64_t now = sim_monotonic_ns(), now_us = now / 1000ULL;
         __atomic_store_n(&e->wait_seen_ns[slot], now, __ATOMIC_SEQ_CST);
         unsigned lanes = engine_lanes(e), nfree = 0;
+        uint64_t first_stale_us = UINT64_MAX; /* when the first held lane goes stale */
         for (unsigned l = 0; l < lanes && rc < 0; l++) {
             uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
             if (sim_engine_word_slot(w) != slot || !w) {
-                nfree += (unsigned)sim_engine_word_stale(w, now_us);
+                int stale = sim_engine_word_stale(w, now_us, stale_us);
+                nfree += (unsigned)stale;
+                if (!stale && sim_engine_word_us(w) + stale_us < first_stale_us)
+                    first_stale_us = sim_engine_word_us(w) + stale_us;
                 continue;
             }
             /* handed to this slot: confirm with a renewal (it may have gone stale and been
@@ -2200,7 +2205,7 @@ static int engine_acquire(struct engine_hold *hd, int phys, int slot, int sfd, s
         if (ahead < nfree) {
             for (unsigned l = 0; l < lanes && rc < 0; l++) {
                 uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
-                if (!sim_engine_word_stale(w, now_us))
+                if (!sim_engine_word_stale(w, now_us, stale_us))
                     continue;
                 uint64_t mine = sim_engine_word(now_us, slot);
                 uint64_t seen = w;
@@ -2209,8 +2214,16 @@ static int engine_acquire(struct engine_hold *hd, int phys, int slot, int sfd, s
                     hd->lane = (int)l;
                     hd->word = mine;
                     __atomic_add_fetch(&e->acquisitions, 1, __ATOMIC_RELAXED);
-                    if (seen)
+                    if (seen) {
                         __atomic_add_fetch(&e->steals, 1, __ATOMIC_RELAXED);
+                        /* a waiter that was handed the lane and never took it up (frozen in
+                         * its wait) is not handed it again until it shows it runs: its next
+                         * wake-up refreshes wait_seen_ns */
+                        int silent = sim_engine_word_slot(seen);
+                        if (silent >= 0 && silent < SIM_MAX_PROCS && silent != slot &&
+                            __atomic_load_n(&e->wait_ticket[silent], __ATOMIC_SEQ_CST))
+                            __atomic_store_n(&e->wait_seen_ns[silent], 0, __ATOMIC_SEQ_CST);
+                    }
                     read_runnable(sfd, start);
                     rc = 0;
                 }
@@ -2220,9 +2233,18 @@ static int engine_acquire(struct engine_hold *hd, int phys, int slot, int sfd, s
             continue; /* lost a race for the lane: look again at once */
         }
         /* asleep until a hand-off wakes us or the poll interval passes: the first in line
-         * polls fast, to notice a holder that stopped renewing its lane */
+         * polls fast, and wakes when a held lane's word would go stale if that is sooner, to
+         * notice a holder that stopped renewing its lane as soon as it may take it */
+        uint64_t poll_ns = ahead == 0 ? SIM_FIRST_WAITER_POLL_NS : SIM_WAITER_POLL_NS;
+        if (ahead == 0 && first_stale_us != UINT64_MAX) {
+            uint64_t until_ns = (first_stale_us + 1 > now_us ? first_stale_us + 1 - now_us : 0) * 1000ULL;
+            if (until_ns < 100000ULL)
+                until_ns = 100000ULL;
+            if (until_ns < poll_ns)
+                poll_ns = until_ns;
+        }
         read_runnable(sfd, &before);
-        futex_wait(&e->wait_wake[slot], seq, ahead == 0 ? SIM_FIRST_WAITER_POLL_NS : SIM_WAITER_POLL_NS);
+        futex_wait(&e->wait_wake[slot], seq, poll_ns);
     }
     __atomic_store_n(&e->wait_ticket[slot], 0, __ATOMIC_SEQ_CST);
     __atomic_add_fetch(&h->procs[slot].engine_wait_ns_total[phys], sim_monotonic_ns() - begin, __ATOMIC_RELAXED);
@@ -2259,6 +2281,12 @@ static int engine_hand_off(struct engine_hold *hd, int slot)
         return 0;
     __atomic_add_fetch(&hd->e->acquisitions, 1, __ATOMIC_RELAXED);
     wake_waiter(hd->e, next);
+    /* the waiter after it is first in line now (the lane word names `next`, which is out of
+     * the line): wake it, so it watches the lane at the first waiter's pace -- `next` may be
+     * frozen and never confirm the hand-off */
+    int after = first_waiter(hd->e, slot, now);
+    if (after >= 0)
+        wake_waiter(hd->e, after);
     return 1;
 }
 
@@ -2358,7 +2386,23 @@ static CUresult run_kernel(uint64_t duration_us)
         uint64_t now = sim_realtime_ns();
         if (!engine_renew(&hold, slot)) {
             /* the engine was taken while this thread was not running (frozen, stopped,
-             * starved of CPU): that step did not run on the engine, so it is not work */
+             * starved of CPU): the step did not run on the engine, so it is not work --
+             * except a sleeping kernel's step as asked for: the lane went stale only
+             * SIM_ENGINE_SLEEP_STALE_US after the last renewal, later than the step's end,
+             * so the step ran on the engine (as a frozen process's kernel finishes on a
+             * real GPU) and the engine idled only after it */
+            if (sleeping) {
+                uint64_t kept = d < step_ns ? d : step_ns;
+                done += kept;
+                pending += kept;
+            }
+            if (done >= target) {
+                /* that step finished the kernel: nothing to queue for again */
+                if (pending)
+                    credit_busy(p, phys, pending, now);
+                pending = 0;
+                goto out;
+            }
             if (pending) {
                 credit_busy(p, phys, pending, now);
                 pending = 0;

@@ -2683,7 +2683,7 @@ API int gpuwatchsim_engine(const char *path, unsigned device, struct gpuwatchsim
         if (l >= e->lanes)
             continue;
         uint64_t w = __atomic_load_n(&e->lane[l], __ATOMIC_SEQ_CST);
-        if (sim_engine_word_stale(w, now / 1000ULL))
+        if (sim_engine_word_stale(w, now / 1000ULL, sim_engine_stale_us(h.hdr)))
             continue;
         int slot = sim_engine_word_slot(w);
         int pid = slot >= 0 && slot < SIM_MAX_PROCS ? sim_slot_owner(&h, slot, &self) : -1;

@@ -33,14 +33,20 @@
  *   one. A holder *renews* its word (one CAS carrying the current CLOCK_MONOTONIC time)
  *   every few tens of microseconds while it spins, so the word itself says whether its
  *   holder is still running: a holder that stopped renewing for SIM_ENGINE_STALE_US
- *   (cgroup-frozen, SIGSTOPped, dead, or starved of CPU that long) loses the engine to
+ *   (SIM_ENGINE_SLEEP_STALE_US where kernels sleep; cgroup-frozen, SIGSTOPped, dead, or
+ *   starved of CPU that long) loses the engine to
  *   the next waiter, which takes it with a CAS from the exact stale word. A holder
  *   finds out at its next renewal (the CAS fails), discards the runnable time of that
- *   last step (it did not hold the engine) and queues again. Waiting is sleeping on a
+ *   last step (it did not hold the engine; a sleeping kernel keeps the part of its step it
+ *   asked for: the steal came at least the stale time after its last renewal, so that
+ *   part ran on the engine, as a frozen process's launched kernel finishes on a real GPU)
+ *   and queues again. Waiting is sleeping on a
  *   futex word of its own (`wait_wake`) -- neither CPU nor busy time. Waiters are served
  *   in ticket order (FIFO), woken by the hand-off described below; a waiter
  *   refreshes `wait_seen_ns` on every wake-up (at least every SIM_WAITER_POLL_NS; the
- *   first in line every SIM_FIRST_WAITER_POLL_NS, to notice a stale holder) and one not
+ *   first in line every SIM_FIRST_WAITER_POLL_NS, or at the moment the holder's word goes
+ *   stale if that is sooner, to notice a stale holder at once; a hand-off also wakes the
+ *   waiter after the one it names, which is first in line from then on) and one not
  *   seen for SIM_WAITER_STALE_NS (frozen while waiting) does not keep its place. A
  *   holder that has run for `timeslice_us` while others wait *hands* its lane to the
  *   first waiter in line -- one CAS writes the waiter's slot and the hand-off time into
@@ -107,6 +113,12 @@
 /* execution engine (see the comment at the top) */
 #define SIM_MAX_LANES 8                    /* MPS-like mode: at most this many contexts at once */
 #define SIM_ENGINE_STALE_US 20000ULL       /* a holder silent this long loses the engine */
+/* ... on a node whose kernels sleep: a holder renews at least every SIM_KERNEL_SLEEP_STEP_NS
+ * there, so silence is noticed ten times sooner. A real GPU does not idle for a frozen
+ * process at all (its launched kernels finish, then the time slicer serves the others);
+ * the 20 ms of the spinning host idled the engine that long at every freeze, ~16 % of the
+ * GPU under a throttle that freezes tenants many times a second. */
+#define SIM_ENGINE_SLEEP_STALE_US 2000ULL
 #define SIM_WAITER_STALE_NS 50000000ULL    /* a waiter not seen this long does not keep its place */
 #define SIM_WAITER_POLL_NS 20000000ULL     /* waiters wake at least this often ... */
 #define SIM_FIRST_WAITER_POLL_NS 5000000ULL /* ... the first in line this often */
@@ -298,13 +310,20 @@ static inline uint64_t sim_engine_word_us(uint64_t w)
 {
     return w >> SIM_ENGINE_SLOT_BITS;
 }
-/* 1 when a lane is free or its holder stopped renewing it (frozen, stopped, dead) */
-static inline int sim_engine_word_stale(uint64_t w, uint64_t now_us)
+/* how long a holder may stay silent before it loses its lane: SIM_ENGINE_SLEEP_STALE_US on a
+ * node whose kernels sleep, SIM_ENGINE_STALE_US otherwise */
+static inline uint64_t sim_engine_stale_us(const struct sim_header *h)
+{
+    return __atomic_load_n(&h->kernel_host, __ATOMIC_RELAXED) == SIM_KERNEL_HOST_SLEEP ? SIM_ENGINE_SLEEP_STALE_US
+                                                                                       : SIM_ENGINE_STALE_US;
+}
+/* 1 when a lane is free or its holder stopped renewing it for stale_us (frozen, stopped, dead) */
+static inline int sim_engine_word_stale(uint64_t w, uint64_t now_us, uint64_t stale_us)
 {
     if (!w)
         return 1;
     uint64_t t = sim_engine_word_us(w);
-    return now_us > t && now_us - t > SIM_ENGINE_STALE_US;
+    return now_us > t && now_us - t > stale_us;
 }
 
 /* identity of the calling process */
