@@ -32,11 +32,14 @@ def detect() -> CgroupMounts:
 
 
 def read_pids(directory: Path) -> list[int]:
-    """Pids listed in `directory`/cgroup.procs ([] when the cgroup is gone)."""
+    """Pids listed in `directory`/cgroup.procs ([] when the cgroup is gone: ENOENT, or ENODEV
+    while the kernel is still destroying it -- a container removed between two looks)."""
     try:
         text = (directory / "cgroup.procs").read_text()
-    except FileNotFoundError:
-        return []
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENODEV):
+            return []
+        raise
     return [int(token) for token in text.split()]
 
 
