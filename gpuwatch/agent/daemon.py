@@ -325,23 +325,17 @@ def _run_locked(config: AgentConfig, stop: threading.Event, reload_requested: th
             # stops, OOMs and GPU-process exits wake the sampler: admission within a cycle, not an interval
             pump = EventPump(probes.poll_events, sampler.wake).start()
             stack.callback(pump.stop)  # before the probes close their ring (the stack unwinds backwards)
-        last_seen = 0.0
-        # Each snapshot reaches the enforcer as soon as the sampler publishes it; the timeout
-        # bounds how long a stop or a reload request waits.
-        while not stop.is_set():
-            sampler.wait_newer(last_seen, timeout_s=min(config.interval_s / 4, 0.25))
-            if stop.is_set():
-                break
+        first = True
+        # Each snapshot reaches the enforcer as soon as the sampler publishes it; the poll
+        # bounds how long a stop waits.
+        for snapshot in sampler.follow(stop, poll_s=min(config.interval_s / 4, 0.25)):
             if reload_requested.is_set():
                 reload_requested.clear()
                 if enforcer is not None:
                     enforcer.reload_requested = True  # read and checked in a worker (check_reload)
-            snapshot = sampler.latest()
-            if snapshot.timestamp_s == last_seen:
-                continue
-            if last_seen == 0.0:  # started: what start-up used and freed goes back to the kernel
+            if first:  # started: what start-up used and freed goes back to the kernel
                 trim_malloc()
-            last_seen = snapshot.timestamp_s
+                first = False
             if nfd is not None:
                 nfd.update(snapshot)
             if enforcer is not None:

@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from gpuwatch.core.errors import GpuwatchError
@@ -126,6 +126,7 @@ class Sampler:
         self._identities: dict[int, ProcessIdentity] = {}
         self._latest = Snapshot(timestamp_s=clock(), node=node, devices=(), containers=(), gpu_up=False,
                                 gpu_error="no sample taken yet", interval_s=interval_s)
+        self._unsampled_s = self._latest.timestamp_s  # the placeholder's: follow() skips it
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -146,6 +147,21 @@ class Sampler:
         with self._published:
             self._published.wait_for(lambda: self._latest.timestamp_s != timestamp_s, timeout=timeout_s)
             return self._latest
+
+    def follow(self, stop: threading.Event, poll_s: float) -> Iterator[Snapshot]:
+        """Each snapshot as soon as it is published (none twice), until `stop` is set: the
+        consumer's side of the loop (the agent's enforcer, and the benchmark's and tests' copies
+        of it), never the placeholder published before the first sample. `poll_s` bounds how
+        long a set `stop` goes unnoticed."""
+        last = self._unsampled_s
+        while not stop.is_set():
+            snapshot = self.wait_newer(last, timeout_s=poll_s)
+            if stop.is_set():
+                return
+            if snapshot.timestamp_s == last:
+                continue
+            last = snapshot.timestamp_s
+            yield snapshot
 
     def wake(self) -> None:
         """Take a cycle now rather than at the next tick (at most one per `wake_gap_s`); a

@@ -64,12 +64,7 @@ class InProcessAgent:
     def _loop(self) -> None:
         from gpuwatch.core.errors import GpuwatchError
 
-        last = 0.0
-        while not self._stop.is_set():
-            snapshot = self.sampler.wait_newer(last, timeout_s=self.interval_s / 4)
-            if snapshot.timestamp_s == last:
-                continue
-            last = snapshot.timestamp_s
+        for snapshot in self.sampler.follow(self._stop, poll_s=self.interval_s / 4):
             try:
                 self.enforcer.on_snapshot(snapshot, self.pump.take())
             except GpuwatchError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -229,3 +230,30 @@ def test_wait_newer_returns_the_same_snapshot_when_nothing_is_published() -> Non
     assert sampler.wait_newer(published.timestamp_s, timeout_s=0.2) is published
     assert time.monotonic() - t0 >= 0.19
     assert sampler.wait_newer(published.timestamp_s - 1, timeout_s=5) is published  # already newer: at once
+
+
+def test_follow_yields_each_published_snapshot_once_and_ends_on_stop() -> None:
+    world = FakeWorld(procs={(10, 0): (GIB, 0.5)})
+    sampler = Sampler(factory_for(world), FakeResolver(), "n", interval_s=1.0)
+    stop = threading.Event()
+    seen: list[float] = []
+
+    def consume() -> None:
+        for snapshot in sampler.follow(stop, poll_s=0.05):
+            seen.append(snapshot.timestamp_s)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        for _ in range(3):
+            world.now_s += 1
+            sampler.run_once()
+            deadline = time.monotonic() + 5
+            while (not seen or seen[-1] != world.now_s) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        time.sleep(0.2)  # nothing new published: nothing yielded again
+    finally:
+        stop.set()
+        consumer.join(5)
+    assert not consumer.is_alive(), "follow() did not end when stop was set"
+    assert len(seen) == 3 and len(set(seen)) == 3 and seen == sorted(seen), seen
