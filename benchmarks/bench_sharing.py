@@ -166,10 +166,12 @@ class ElasticKnobs:
     throttle: str = "all-but-top"  # elastic.throttle
     divide: str = "plateau"  # elastic.divide
     checkpoint_plateaued: bool = True  # elastic.checkpoint_plateaued
+    plateau: float = 0.05  # elastic.plateau
 
     def text(self) -> str:
         return (f"{f', contended: {self.contended:.0%}' if self.contended else ''}, throttle: {self.throttle}, "
-                f"divide: {self.divide}, checkpoint_plateaued: {str(self.checkpoint_plateaued).lower()}")
+                f"divide: {self.divide}, checkpoint_plateaued: {str(self.checkpoint_plateaued).lower()}, "
+                f"plateau: {self.plateau:.0%}")
 
 
 def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float | None = None,
@@ -187,7 +189,7 @@ def policy_text(mode: str, jobs: list[Job], quick: bool, requeue_after_s: float 
     if mode == "elastic":
         window, dwell = ("1s", "1s") if quick else ("3s", "3s")
         lines.append(f"elastic: {{enabled: true, window: {window}, floor: 10%, hysteresis: 5%, min_dwell: {dwell},"
-                     f" plateau: 5%, min_gpu_time: 0.2s{(elastic or ElasticKnobs()).text()}}}")
+                     f" min_gpu_time: 0.2s{(elastic or ElasticKnobs()).text()}}}")
     lines.append("tuning: {max_actions_per_minute: 600}")
     lines.append("rules:")
     for job in jobs:
@@ -732,6 +734,9 @@ def main() -> int:
     parser.add_argument("--elastic-divide", choices=("plateau", "efficiency"), default="plateau",
                         help="elastic: only plateaued jobs yield GPU time, or all in proportion to growth efficiency "
                              "(elastic.divide)")
+    parser.add_argument("--plateau", type=float, default=0.05, metavar="F",
+                        help="elastic: a job whose growth efficiency is below F of its early rate has plateaued "
+                             "(elastic.plateau; default 0.05)")
     parser.add_argument("--checkpoint-plateaued", choices=("on", "off"), default="on",
                         help="elastic: a plateaued job is checkpointed while others wait for memory on its GPU "
                              "(elastic.checkpoint_plateaued); it is placed again and resumes from its checkpoint")
@@ -763,7 +768,7 @@ def main() -> int:
     timeout_s = args.timeout_s or (60.0 if args.quick else 300.0)
     retry_s = 0.5 if args.quick else RETRY_S
     knobs = ElasticKnobs(args.contended, args.elastic_throttle, args.elastic_divide,
-                         args.checkpoint_plateaued == "on")
+                         args.checkpoint_plateaued == "on", args.plateau)
     work = Path(tempfile.mkdtemp(prefix="bench-sharing-"))
     per_mix: dict[str, dict[str, dict[str, Any]]] = {}
     started = time.monotonic()
