@@ -36,7 +36,9 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   of the headroom) -- the kernel stops an allocation beyond it, so the sum of allowances never
   exceeds the GPU and nothing runs into OOM. An allowance only grows out of memory that no
   allowance covered in the previous round, so a shrinking one has reached the kernel before
-  another container is told it may use that memory.
+  another container is told it may use that memory. A container found running that no round
+  admitted (it started before the agent, or allocated with no gate) keeps what it holds and
+  grows to its declared demand only out of such memory: it was never promised the rest.
 """
 
 from __future__ import annotations
@@ -515,6 +517,7 @@ class _Round:
         admitted_keys = {s.key for s in admitted}
         running = [s for s in seats if s.key not in self.waiting and s.managed]
         base: dict[str, int] = {}
+        goal: dict[str, int] = {}  # what it is promised: base, or (found running) its promise out of slack
         fresh: set[str] = set()
         for s in running:
             base[s.key] = s.held + (s.pending if s.key in admitted_keys else 0)
@@ -524,21 +527,28 @@ class _Round:
             last = prev[s.key]
             held_back = last == 0 or (last is None and s.key in self.prev.gated)
             started = s.key in admitted_keys or (last or 0) > 0 or (s.held > 0 and not held_back)
-            if started:
+            if started and s.key not in self.admitted:
+                # running without ever being admitted by a round (it ran before the agent started, or
+                # allocated with no gate): it keeps what it holds and grows to its promise only out of
+                # memory nobody holds or was promised -- promising each such container all it declared
+                # at once could exceed the GPU
+                goal[s.key] = max(base[s.key], s.promise)
+            elif started:
                 base[s.key] = max(base[s.key], s.promise)  # admitted for all it declared (or its headroom)
             elif self.policy.rescheduling.gate_new:
                 fresh.add(s.key)  # nothing allocated or admitted yet: its first allocation waits for admission
+            goal.setdefault(s.key, base[s.key])
         if oversubscribed or any(s.key in self.waiting for s in seats):
             if self.policy.fair_share.split is FairShareSplit.EQUAL:
                 # the equal part among all that hold or ask: a lone holder does not keep the GPU promised
                 asking = {s.key for s in seats if s.held > 0 or s.pending > 0 or s.key in self.waiting}
                 shares = {k: min(v, avail // max(len(asking | {k}), 1)) for k, v in shares.items()}
-            target = {s.key: max(base[s.key], shares.get(s.key, 0)) for s in running}
+            target = {s.key: max(goal[s.key], shares.get(s.key, 0)) for s in running}
         else:
             spare = max(avail - sum(s.demand for s in seats), 0)
             weights = {s.key: priority_weight(s.priority) for s in running}
             total = sum(weights.values()) or 1.0
-            target = {s.key: base[s.key] + int(spare * weights[s.key] / total) for s in running}
+            target = {s.key: goal[s.key] + int(spare * weights[s.key] / total) for s in running}
         # grow only out of memory no allowance covered last round (shrinks reach the kernel first)
         current: dict[str, int] = {}
         for seat in running:

@@ -349,3 +349,26 @@ def test_headroom_of_100_percent_is_the_whole_declared_demand() -> None:
     result = d.step(snap(2.0, *(usage(j, 0) for j in jobs), total=8 * GIB, free=8 * GIB), events)
     assert [m for m in moves(result) if m[0] == "release"] == [("release", "j0", True), ("release", "j1", True)]
 
+
+
+def test_containers_running_before_the_agent_are_promised_only_what_the_gpu_has() -> None:
+    # Two jobs that each declare 3 GiB were running before the agent started, 2 GiB each on a
+    # 4 GiB GPU. Promising each its whole declared demand at once (6 of 4 GiB) let both grow
+    # into an OOM; now each keeps what it holds and grows only out of memory nobody holds.
+    d = Driver(policy(DECLARED.replace("SPLIT", "demand")))
+    a, b = ident("a"), ident("b")
+    result = d.step(snap(1.0, usage(a, 2 * GIB), usage(b, 2 * GIB), total=4 * GIB, free=0))
+    limits = result.effective_limits_bytes
+    assert limits[a.key] == limits[b.key] == 2 * GIB, limits
+    assert moves(result) == []
+    result = d.step(snap(1.5, usage(a, 2 * GIB), usage(b, 2 * GIB), total=4 * GIB, free=0))
+    assert result.effective_limits_bytes == limits  # and not in the next round either
+    # b ends: a (the one left) is promised the rest of what it declared
+    result = d.step(snap(2.0, usage(a, 2 * GIB), total=4 * GIB, free=2 * GIB))
+    assert result.effective_limits_bytes[a.key] >= 3 * GIB
+
+    # with room for both, each is promised all it declared in the first round
+    d = Driver(policy(DECLARED.replace("SPLIT", "demand")))
+    result = d.step(snap(1.0, usage(a, 2 * GIB), usage(b, 2 * GIB), total=8 * GIB, free=4 * GIB))
+    assert result.effective_limits_bytes[a.key] >= 3 * GIB and result.effective_limits_bytes[b.key] >= 3 * GIB
+    assert sum(result.effective_limits_bytes.values()) <= 8 * GIB
