@@ -54,12 +54,13 @@ policy per mode:
   yielding jobs are throttled.
 
 Per run: average job completion (arrival to done), makespan, time-averaged GPU memory
-utilisation of the node, OOM failures, mean time to 95 % of each job's final progress, and
-what `gpuwatch top`'s STATE column said of each job against what the kernel and the cgroups
-showed (`view_check`). Each
-mix runs every mode `--repeats` times (modes interleaved within a repeat, so a slow spell of
-the VM hits all of them); the table gives means and ±half the spread, then one JSON line with
-"modes" (means over the mixes) and "mixes" (per mix, with *_spread and the repeats).
+utilisation of the node and GPU busy (the GPUs' engine utilisation as NVML reports it: where
+it is near 100 %, time and not memory limits the jobs), OOM failures, mean time to 95 % of
+each job's final progress, and what `gpuwatch top`'s STATE column said of each job against
+what the kernel and the cgroups showed (`view_check`). Each mix runs every mode `--repeats`
+times (modes interleaved within a repeat, so a slow spell of the VM hits all of them); the
+table gives means and ±half the spread, then one JSON line with "modes" (means over the
+mixes) and "mixes" (per mix, with *_spread and the repeats).
 
 Needs root, runc and BCC. `--quick` (CI, ~3 min): the long-tail mix at 0.6 of the work,
 the managed modes, 3 repeats (`--mixes` picks others at that scale). Everything started is
@@ -102,7 +103,7 @@ STARTUP_S = 1.0
 POLL_S = 0.1
 QUICK_MIXES = ("long-tail",)
 """The mixes --quick runs unless --mixes names others (at the quick scale too)."""
-KEYS = ("avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s")
+KEYS = ("avg_completion_s", "makespan_s", "mem_util", "gpu_busy", "oom_failures", "t95_progress_s")
 
 
 @dataclass(frozen=True)
@@ -418,6 +419,7 @@ class Run:
         for run in self.jobs:
             run.progress_file.parent.mkdir()
         self.memory: list[tuple[float, float]] = []
+        self.busy: list[tuple[float, float]] = []  # the GPUs' mean engine utilisation (NVML's, last second)
 
     def _spec(self, run: JobRun) -> Any:
         from gpuwatch.sim import node as simnode
@@ -445,12 +447,15 @@ class Run:
         return choose_gpu(run.job.footprint_mib * MIB, loads, CONTEXT_MIB * MIB, queue_on_gpu=not self.late_binding,
                           policy=self.fit)
 
-    def _memory_ratio(self) -> float:
+    def _node_ratios(self) -> tuple[float, float]:
+        """(memory used / memory, the GPUs' mean utilisation over the last second) of the node."""
         from gpuwatch.sim import node as simnode
 
         devices = simnode.status(self.sim).devices
         total = sum(d.memory_total_bytes for d in devices)
-        return sum(d.memory_used_bytes for d in devices) / total if total else 0.0
+        memory = sum(d.memory_used_bytes for d in devices) / total if total else 0.0
+        busy = statistics.fmean(d.utilization_percent / 100 for d in devices) if devices else 0.0
+        return memory, busy
 
     def _stop(self, run: JobRun) -> str:
         """Stop the job's container; its output is kept beside its progress file."""
@@ -541,7 +546,9 @@ class Run:
         try:
             while time.monotonic() < deadline:
                 now = time.monotonic() - t0
-                self.memory.append((now, self._memory_ratio()))
+                memory, busy = self._node_ratios()
+                self.memory.append((now, memory))
+                self.busy.append((now, busy))
                 view = self._top_states()
                 # the node's queue (pending pods): arrival order, or the smallest declared demand first
                 line = sorted(self.jobs, key=lambda r: r.job.footprint_mib) if self.node_queue == "smallest" \
@@ -585,6 +592,7 @@ class Run:
             "avg_completion_s": round(statistics.fmean(completions), 2) if completions else None,
             "makespan_s": round(makespan, 2),
             "mem_util": time_average(self.memory, makespan),
+            "gpu_busy": time_average(self.busy, makespan),
             "oom_failures": sum(r.oom_failures for r in self.jobs),
             "t95_progress_s": round(statistics.fmean(t95s), 2) if t95s else None,
             "completed": f"{len(done)}/{len(self.jobs)}",
@@ -663,11 +671,12 @@ def cell(m: dict[str, Any], key: str, spec: str) -> str:
 
 def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
     lines = [f"{mix} (mean ±half the spread over the repeats):",
-             f"{'mode':<10}{'avg completion s':>18}{'makespan s':>16}{'mem util':>16}{'OOM':>6}"
+             f"{'mode':<10}{'avg completion s':>18}{'makespan s':>16}{'mem util':>16}{'GPU busy':>16}{'OOM':>6}"
              f"{'t95 progress s':>18}{'done':>8}"]
     for mode, m in results.items():
         lines.append(f"{mode:<10}{cell(m, 'avg_completion_s', '.2f'):>18}{cell(m, 'makespan_s', '.2f'):>16}"
-                     f"{cell(m, 'mem_util', '.1%'):>16}{m['oom_failures']:>6}{cell(m, 't95_progress_s', '.2f'):>18}"
+                     f"{cell(m, 'mem_util', '.1%'):>16}{cell(m, 'gpu_busy', '.1%'):>16}{m['oom_failures']:>6}"
+                     f"{cell(m, 't95_progress_s', '.2f'):>18}"
                      f"{m['completed']:>8}")
     if "static" in results and "adaptive" in results and results["static"]["avg_completion_s"]:
         gain = 1 - results["adaptive"]["avg_completion_s"] / results["static"]["avg_completion_s"]
@@ -696,7 +705,8 @@ def combine(per_mix: dict[str, dict[str, dict[str, Any]]], modes: list[str]) -> 
             return round(statistics.fmean(values), 3) if values else None
 
         out[mode] = {"avg_completion_s": mean("avg_completion_s"), "makespan_s": mean("makespan_s"),
-                     "mem_util": mean("mem_util"), "oom_failures": sum(r["oom_failures"] for r in rows),
+                     "mem_util": mean("mem_util"), "gpu_busy": mean("gpu_busy"),
+                     "oom_failures": sum(r["oom_failures"] for r in rows),
                      "t95_progress_s": mean("t95_progress_s")}
     return out
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_sharing.py"
 MARGIN = 0.05
 """Adaptive's average completion below static's by at least this much (measured: see README)."""
-KEYS = {"avg_completion_s", "makespan_s", "mem_util", "oom_failures", "t95_progress_s"}
+KEYS = {"avg_completion_s", "makespan_s", "mem_util", "gpu_busy", "oom_failures", "t95_progress_s"}
 
 
 @pytest.mark.slow
@@ -43,8 +43,8 @@ def test_bench_sharing_quick_completes_with_a_table_and_the_json_line() -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "Traceback" not in text, text
-    assert re.search(r"^mode\s+avg completion s\s+makespan s\s+mem util\s+OOM\s+t95 progress s\s+done", out.stdout,
-                     re.M), text
+    assert re.search(r"^mode\s+avg completion s\s+makespan s\s+mem util\s+GPU busy\s+OOM\s+t95 progress s\s+done",
+                     out.stdout, re.M), text
     print(out.stdout[-1500:])
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(summary["modes"]) == {"static", "adaptive", "elastic"}, summary
