@@ -10,6 +10,8 @@ Functions here also run in-process (the tests, `worker_process=False`).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,11 +38,31 @@ class _Worker:
 _worker: _Worker | None = None
 
 
-def init_worker(url: str, timeout_s: float, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+ORPHAN_CHECK_S = 1.0
+"""How often a worker process checks that the extender that started it is still alive."""
+
+
+def init_worker(url: str, timeout_s: float, max_bytes: int = DEFAULT_MAX_BYTES, exit_with_parent: bool = False
+                ) -> None:
     """Process initializer: one pooled reader for the life of the worker (answers bounded by
-    `max_bytes` each, 2 x `max_bytes` a batch, `timeout_s` each from connect to last byte)."""
+    `max_bytes` each, 2 x `max_bytes` a batch, `timeout_s` each from connect to last byte).
+
+    `exit_with_parent` (in the worker process only): the worker ends within ORPHAN_CHECK_S of
+    the extender's death. A pool worker holds both ends of its task queue, so it would wait on
+    it for ever after a SIGKILL of the extender -- and keep multiprocessing's resource tracker,
+    and the queue's named semaphores in /dev/shm, alive with it. (PR_SET_PDEATHSIG would fire
+    when the *thread* that spawned the worker ends, which may be a short-lived request thread.)"""
     global _worker
     _worker = _Worker(PrometheusReader(url, timeout_s=timeout_s, cache_s=0.0, max_bytes=max_bytes))
+    if exit_with_parent:
+        parent = os.getppid()
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), name="orphan-check", daemon=True).start()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(0)  # reparented: the extender is gone, nobody will read an answer
 
 
 def ping() -> bool:

@@ -92,7 +92,7 @@ class PrometheusCluster:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=refresher.init_worker,
-                                             initargs=(self.url, self.timeout_s, self.max_bytes))
+                                             initargs=(self.url, self.timeout_s, self.max_bytes, True))
         return self._pool
 
     def close(self) -> None:

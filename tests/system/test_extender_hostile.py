@@ -183,3 +183,42 @@ def test_concurrent_large_node_lists_are_parsed_a_budget_at_a_time() -> None:
               f"{retries[0]} retries after a 503")
         assert peak[0] - base < 200, (base, peak[0])
         assert after - base < 80, (base, after)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_worker_process_ends_when_the_extender_is_killed() -> None:
+    """The cluster-view worker (and multiprocessing's resource tracker) must not outlive a
+    SIGKILLed extender: a pool worker holds both ends of its task queue and waited on it for
+    ever, stuck here reading an endless Prometheus answer, and kept the queue's named
+    semaphores in /dev/shm (10 left per test run before)."""
+    with HostileServer("endless") as prom, extender(prom.url) as (proc, port):
+        deadline = time.monotonic() + 20
+        helpers: list[int] = []
+        while time.monotonic() < deadline and len(helpers) < 2:  # the worker and the tracker
+            helpers = _children(proc.pid)
+            time.sleep(0.1)
+        assert len(helpers) >= 2, helpers
+        with suppress(OSError):  # a refresh in flight: the worker is busy reading the endless answer
+            post(port, "/filter", json.dumps({"Pod": GPU_POD, "NodeNames": ["n1"]}).encode(), timeout=3)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.1)
+        left = [p for p in helpers if _alive(p)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"helpers of the killed extender still running: {left}"
