@@ -182,7 +182,9 @@ def test_concurrent_large_node_lists_are_parsed_a_budget_at_a_time() -> None:
         print(f"body {len(body) / 2**20:.1f} MiB x8: base {base:.0f} MiB, peak {peak[0]:.0f}, after {after:.0f}, "
               f"{retries[0]} retries after a 503")
         assert peak[0] - base < 200, (base, peak[0])
-        assert after - base < 80, (base, after)
+        # what stays resident after the burst (glibc and pymalloc keep part of the parsed trees'
+        # memory): 19-91 MiB over 18 runs here, so 80 failed 1 in 18; a leak would keep growing
+        assert after - base < 120, (base, after)
 
 
 def _children(pid: int) -> list[int]:
