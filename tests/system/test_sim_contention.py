@@ -171,19 +171,27 @@ def test_a_waiter_stopped_before_its_turn_does_not_block_the_other(tmp_path: Pat
     assert rates[a.pid][0] == 0.0 and rates[b.pid][0] >= 0.72, rates
 
 
-@pytest.mark.parametrize("kernel_host", ["spin", "sleep"])
-def test_a_cgroup_frozen_holder_frees_the_engine(tmp_path: Path, root_required: None, kernel_host: str) -> None:
+@contextmanager
+def tenant_in_cgroup_and_other(tmp_path: Path, kernel_host: str, duty: float) -> Iterator[
+        tuple[Path, SimNode, Workers, subprocess.Popen[str], subprocess.Popen[str]]]:
+    """One GPU; a tenant in a scratch cgroup (to freeze) and another beside it, both at `duty`."""
     # EXACT_DRIVER: see above (contention, not memory)
     with (
         scratch_cgroup("gpuwatch-test-contention") as cgroup,
         private_node(tmp_path, devices=1, memory_bytes=GIB, kernel_host=kernel_host) as node,
         workers(node, EXACT_DRIVER) as w,
     ):
-        frozen = w.start(argv=in_cgroups([cgroup / "cgroup.procs"], [
-            str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "0.8"]))
-        w.wait_line(frozen, "ready")
-        other = start(w, 0, 0.8)
+        in_cgroup = w.start(argv=in_cgroups([cgroup / "cgroup.procs"], [
+            str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", str(duty)]))
+        w.wait_line(in_cgroup, "ready")
+        other = start(w, 0, duty)
         time.sleep(0.6)
+        yield cgroup, node, w, in_cgroup, other
+
+
+@pytest.mark.parametrize("kernel_host", ["spin", "sleep"])
+def test_a_cgroup_frozen_holder_frees_the_engine(tmp_path: Path, root_required: None, kernel_host: str) -> None:
+    with tenant_in_cgroup_and_other(tmp_path, kernel_host, 0.8) as (cgroup, node, w, frozen, other):
         steals = engine(node, 0).steals_total
         _wait_until_holder(node, frozen.pid)
         (cgroup / "cgroup.freeze").write_text("1")
@@ -202,16 +210,7 @@ def test_a_tenant_frozen_in_phases_leaves_the_engine_to_the_other(tmp_path: Path
     of sleeping kernels and the hand-off that skips a waiter found frozen, 0.618 (the engine
     idled 20 ms at each freeze that caught the holder, and again at each hand-off to the
     frozen waiter); a spinning host, which keeps the 20 ms, reaches 0.79."""
-    with (
-        scratch_cgroup("gpuwatch-test-contention") as cgroup,
-        private_node(tmp_path, devices=1, memory_bytes=GIB, kernel_host="sleep") as node,
-        workers(node, EXACT_DRIVER) as w,
-    ):
-        throttled = w.start(argv=in_cgroups([cgroup / "cgroup.procs"], [
-            str(node.libraries.worker_path), "--mib-per-step", "8", "--duty", "1.0"]))
-        w.wait_line(throttled, "ready")
-        other = start(w, 0, 1.0)
-        time.sleep(0.6)
+    with tenant_in_cgroup_and_other(tmp_path, "sleep", 1.0) as (cgroup, node, w, throttled, other):
         stop = threading.Event()
 
         def freeze_in_phases() -> None:  # 40 ms frozen, 60 ms running, as a 0.6 duty throttle
