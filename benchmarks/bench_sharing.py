@@ -8,6 +8,7 @@ elastic GPU time (FlowCon).
                          [--node-queue arrival|smallest] [--headroom F]
                          [--requeue-after S] [--contended F] [--elastic-throttle all-but-top|yielding]
                          [--elastic-divide plateau|efficiency] [--checkpoint-plateaued on|off]
+                         [--plateau F]
                          [--load N] [--kernel-host sleep|spin] [--keep]
 
 On the simulated GPU node (gpuwatch/sim: 4 GPUs of 8 GiB; kernels contend for each device's
