@@ -60,8 +60,9 @@ it is near 100 %, time and not memory limits the jobs), OOM failures, mean time 
 each job's final progress, and what `gpuwatch top`'s STATE column said of each job against
 what the kernel and the cgroups showed (`view_check`). Each mix runs every mode `--repeats`
 times (modes interleaved within a repeat, so a slow spell of the VM hits all of them); the
-table gives means and ±half the spread, then one JSON line with "modes" (means over the
-mixes) and "mixes" (per mix, with *_spread and the repeats).
+table gives means and ±half the spread and, under it (default placement), what ideal schedulers
+reach on the same jobs with no overhead (benchmarks/sharing_bound.py), then one JSON line with
+"modes" (means over the mixes) and "mixes" (per mix, with *_spread and the repeats).
 
 Needs root, runc and BCC. `--quick` (CI, ~3 min): the long-tail mix at 0.6 of the work,
 the managed modes, 3 repeats (`--mixes` picks others at that scale). Everything started is
@@ -670,7 +671,23 @@ def cell(m: dict[str, Any], key: str, spec: str) -> str:
     return fmt(m[key], spec) + (f" ±{format(spread / 2, spec)}" if spread else "")
 
 
-def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
+def ideal_line(jobs: list[Job], results: dict[str, dict[str, Any]]) -> str:
+    """What ideal schedulers reach on the same jobs (benchmarks/sharing_bound.py: a fluid model
+    with no overhead), and so the most any scheduler could be below static's measured average."""
+    from sharing_bound import bounds  # beside this script
+
+    ideal = {label: avg_s for label, (avg_s, _) in bounds(jobs).items() if label != "alone"}
+    line = ("ideal schedulers on these jobs, no overhead (sharing_bound.py), average completion: "
+            + ", ".join(f"{label} {avg_s:.2f}" for label, avg_s in ideal.items()))
+    static_s = results.get("static", {}).get("avg_completion_s")
+    if static_s:
+        placed = min(avg_s for label, avg_s in ideal.items() if label.endswith("/ arrival"))
+        line += (f"; at best {1 - placed / static_s:.1%} below static's measured with this placement, "
+                 f"{1 - min(ideal.values()) / static_s:.1%} with an oracle's")
+    return line
+
+
+def table(mix: str, results: dict[str, dict[str, Any]], jobs: list[Job] | None = None) -> str:
     lines = [f"{mix} (mean ±half the spread over the repeats):",
              f"{'mode':<10}{'avg completion s':>18}{'makespan s':>16}{'mem util':>16}{'GPU busy':>16}{'OOM':>6}"
              f"{'t95 progress s':>18}{'done':>8}"]
@@ -685,6 +702,8 @@ def table(mix: str, results: dict[str, dict[str, Any]]) -> str:
     if "adaptive" in results and "elastic" in results and results["adaptive"]["t95_progress_s"]:
         gain = 1 - (results["elastic"]["t95_progress_s"] or 0) / results["adaptive"]["t95_progress_s"]
         lines.append(f"elastic vs adaptive, time to 95% progress: {gain:+.1%}")
+    if jobs:
+        lines.append(ideal_line(jobs, results))
     view = combine_views([m["view"] for m in results.values()])
     if view["looks"]:
         lines.append(f"top's STATE against the kernel and cgroups ({view['looks']} looks): 'waiting for memory' "
@@ -824,7 +843,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     for mix, results in per_mix.items():
-        print(table(mix, results))
+        print(table(mix, results, all_mixes[mix] if args.placement == "queue" and args.fit == "binpack" else None))
         print()
     print(f"total {time.monotonic() - started:.1f} s")
     summary = {"modes": combine(per_mix, modes), "quick": args.quick, "repeats": repeats,
