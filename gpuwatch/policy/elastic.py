@@ -146,12 +146,21 @@ def divide(
     """One GPU's shares: `fixed` tenants keep theirs; the rest of the GPU goes to the jobs
     with an efficiency, each at least the floor, the remainder in proportion to efficiency
     (plateaued ones weigh nothing; all plateaued: equal split). With `divide: plateau` every job
-    that has not plateaued weighs the same."""
+    that has not plateaued weighs the same. Where the fixed shares leave less than the floor
+    for each of those jobs (a share held from a round with fewer tenants beside new fair ones,
+    or annotations that add up to the whole GPU), the fixed shares give way in proportion, so
+    no share is ever 0 -- a throttle to nothing would be a pause -- and the sum stays 1."""
     shares = dict(fixed)
     if not efficiencies:
         return shares
-    pool = max(1.0 - sum(fixed.values()), 0.0)
-    floor = min(settings.floor, pool / len(efficiencies))
+    floor = settings.floor
+    taken = sum(fixed.values())
+    if taken + floor * len(efficiencies) > 1.0:
+        floor = min(floor, 1.0 / (len(efficiencies) + len(fixed)))
+        room = 1.0 - floor * len(efficiencies)
+        if taken > room:
+            shares = {k: v * room / taken for k, v in fixed.items()}
+    pool = max(1.0 - sum(shares.values()), 0.0)
     by_plateau = settings.divide is ElasticDivide.PLATEAU
     weights = {k: ((1.0 if by_plateau else e) if e >= settings.plateau else 0.0) for k, e in efficiencies.items()}
     total = sum(weights.values())

@@ -43,6 +43,8 @@ def test_bench_sharing_quick_completes_with_a_table_and_the_json_line() -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "Traceback" not in text, text
+    # every action the enforcer took was carried out (a failed one is logged "<verb> on <container> failed: ...")
+    assert not re.findall(r"^[\w-]+ on \S+ failed: .*$", text, re.M), text
     assert re.search(r"^mode\s+avg completion s\s+makespan s\s+mem util\s+GPU busy\s+OOM\s+t95 progress s\s+done",
                      out.stdout, re.M), text
     print(out.stdout[-1500:])

@@ -328,3 +328,20 @@ def test_checkpoint_plateaued_needs_a_queue_and_the_setting() -> None:
     state = run(learning, 12)[-1].state.elastic
     _s, _st, emitted = _queued_round(text, learning, state)
     assert not [d for d in emitted if d.verb is Verb.CHECKPOINT_KILL]
+
+
+def test_shares_kept_from_fewer_tenants_never_squeeze_a_learning_job_to_nothing() -> None:
+    """A held share from a round with fewer tenants (0.8 of two) beside a new fair one (1/3) once
+    left the pool empty: the job still learning got a throttle share of 0, which the throttle
+    refuses (seen in bench_sharing's elastic mode). Every share stays positive, the learning jobs
+    keep their floor, and the GPU is not divided beyond all of it."""
+    s = ElasticSettings(enabled=True, floor=0.1, plateau=0.05)
+    for fixed in ({"held": 0.8, "new": 1 / 3}, {"a": 0.5, "b": 0.5, "c": 0.5}, {"x": 1.0}):
+        shares = divide(fixed, {"learner": 0.7, "plateaued": 0.01}, s)
+        assert min(shares.values()) > 0, (fixed, shares)
+        assert shares["learner"] >= 0.1 - 1e-9 and shares["plateaued"] >= 0.1 - 1e-9, (fixed, shares)
+        assert sum(shares.values()) <= 1 + 1e-9, (fixed, shares)
+        # what is fixed keeps its proportions when it has to give way
+        keys = sorted(fixed)
+        ratios = [shares[k] / fixed[k] for k in keys]
+        assert max(ratios) - min(ratios) < 1e-9, (fixed, shares)
