@@ -676,7 +676,8 @@ def ideal_line(jobs: list[Job], results: dict[str, dict[str, Any]]) -> str:
     with no overhead), and so the most any scheduler could be below static's measured average."""
     from sharing_bound import bounds  # beside this script
 
-    ideal = {label: avg_s for label, (avg_s, _) in bounds(jobs).items() if label != "alone"}
+    found = bounds(jobs)
+    ideal = {label: bound.avg_completion_s for label, bound in found.items() if label != "alone"}
     line = ("ideal schedulers on these jobs, no overhead (sharing_bound.py), average completion: "
             + ", ".join(f"{label} {avg_s:.2f}" for label, avg_s in ideal.items()))
     static_s = results.get("static", {}).get("avg_completion_s")
@@ -684,6 +685,9 @@ def ideal_line(jobs: list[Job], results: dict[str, dict[str, Any]]) -> str:
         placed = min(avg_s for label, avg_s in ideal.items() if label.endswith("/ arrival"))
         line += (f"; at best {1 - placed / static_s:.1%} below static's measured with this placement, "
                  f"{1 - min(ideal.values()) / static_s:.1%} with an oracle's")
+    sliced, learners = found["slicing / arrival"].avg_t95_s, found["learners / arrival"].avg_t95_s
+    if sliced and learners:
+        line += f"; learners first reach 95 % progress {1 - learners / sliced:+.1%} sooner than time slicing"
     return line
 
 

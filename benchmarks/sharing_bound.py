@@ -21,6 +21,9 @@ measured result can be read against what is possible at all:
   - `oracle`: shortest remaining work first, each capped at its duty (SRPT, which minimises
     the average completion on one server; it needs every job's remaining work, which no real
     scheduler knows);
+  - `learners`: the jobs that have not reached 95 % of their final progress first (max-min
+    among them), the others share what is left -- an ideal progress-aware elastic share, which
+    knows where each job's curve flattens (elastic has to estimate it from the progress rate);
 
 * jobs are placed
 
@@ -32,10 +35,11 @@ measured result can be read against what is possible at all:
     lowest.
 
 Printed per mix: the average completion (arrival to done, the start included) of `alone`
-(each job by itself on its own GPU: nothing that shares reaches it) and of each combination,
-and the makespan. These are not proofs of optimality (the best order of a memory-constrained
-queue is NP-hard); they are the best of the ideal schedulers modelled, each with zero
-overhead. The model lets a job that got less than its duty fall behind for good, where the
+(each job by itself on its own GPU: nothing that shares reaches it) and of each combination
+(`learners` with the benchmark's placement only), the makespan and the mean time to 95 % of
+each job's final progress (bench_sharing's t95). These are not proofs of optimality (the best
+order of a memory-constrained queue is NP-hard); they are the best of the ideal schedulers
+modelled, each with zero overhead. The model lets a job that got less than its duty fall behind for good, where the
 sim job catches up with up to 0.5 s of backlog: `slicing` is slightly pessimistic, by about
 what bench_sharing's overheads add (README, "Sharing oversubscribed GPUs", compares them).
 """
@@ -59,7 +63,7 @@ from bench_sharing import CONTEXT_MIB, GIB, GPUS, MIB, STARTUP_S, Job, mixes  # 
 from gpuwatch.policy.placement import GpuLoad, choose_gpu  # noqa: E402
 
 GPU_MIB = 8 * GIB // MIB
-TIME_POLICIES = ("slicing", "oracle")
+TIME_POLICIES = ("slicing", "oracle", "learners")
 PLACEMENTS = ("arrival", "late")
 _EPS = 1e-9
 
@@ -77,10 +81,17 @@ class FluidJob:
     next_pause_work_s: float = math.inf
     end_s: float | None = None
     rate: float = 0.0  # GPU-seconds per second it gets now
+    t95_s: float | None = None  # when it reached 95 % of its final progress (since its arrival)
 
     def __post_init__(self) -> None:
         if self.job.pause_every_s > 0:
             self.next_pause_work_s = self.job.pause_every_s
+        self.work95_s = progress_95_work_s(self.job)
+
+    @property
+    def learning(self) -> bool:
+        """Not yet at 95 % of its final progress."""
+        return self.done_work_s < self.work95_s - 1e-7
 
     @property
     def remaining_work_s(self) -> float:
@@ -94,33 +105,56 @@ class FluidJob:
         return self.admitted and self.end_s is None and self.pause_left_s <= _EPS
 
 
+def progress_95_work_s(job: Job) -> float:
+    """The GPU work after which `job`'s progress |loss - start| reaches 95 % of its final value
+    (bench_sharing's t95 criterion; the loss curves are monotonic, so by bisection)."""
+    start = job.loss(0.0)
+    target = 0.95 * abs(job.loss(job.work_s) - start)
+    low, high = 0.0, job.work_s
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (low, middle) if abs(job.loss(middle) - start) >= target else (middle, high)
+    return high
+
+
 def alone_s(job: Job) -> float:
     """Completion of `job` by itself on a GPU: start, its work at its duty, its pauses."""
     pauses = math.ceil(job.work_s / job.pause_every_s) - 1 if job.pause_every_s > 0 else 0
     return STARTUP_S + job.work_s / job.duty + max(pauses, 0) * job.pause_s
 
 
-def share_time(jobs: Sequence[FluidJob], policy: str) -> dict[int, float]:
-    """Rates (GPU-seconds per second) of the computing jobs of one GPU, by `policy`."""
+def max_min(jobs: Sequence[FluidJob], capacity: float) -> tuple[dict[int, float], float]:
+    """Max-min fair rates with each job capped at its duty (those below the equal share get
+    their duty), and the capacity left over."""
     rates: dict[int, float] = {}
-    capacity = 1.0
-    if policy == "oracle":
-        for fj in sorted(jobs, key=lambda fj: (fj.remaining_work_s, fj.job.arrival_s)):
-            rates[id(fj)] = min(fj.job.duty, capacity)
-            capacity -= rates[id(fj)]
-        return rates
     left = list(jobs)
-    while left:  # max-min fair with caps: those below the equal share get their duty
+    while left:
         share = capacity / len(left)
         below = [fj for fj in left if fj.job.duty <= share + _EPS]
         if not below:
             rates.update((id(fj), share) for fj in left)
-            break
+            return rates, 0.0
         for fj in below:
             rates[id(fj)] = fj.job.duty
             capacity -= fj.job.duty
             left.remove(fj)
-    return rates
+    return rates, capacity
+
+
+def share_time(jobs: Sequence[FluidJob], policy: str) -> dict[int, float]:
+    """Rates (GPU-seconds per second) of the computing jobs of one GPU, by `policy`."""
+    if policy == "oracle":
+        rates: dict[int, float] = {}
+        capacity = 1.0
+        for fj in sorted(jobs, key=lambda fj: (fj.remaining_work_s, fj.job.arrival_s)):
+            rates[id(fj)] = min(fj.job.duty, capacity)
+            capacity -= rates[id(fj)]
+        return rates
+    if policy == "learners":
+        rates, capacity = max_min([fj for fj in jobs if fj.learning], 1.0)
+        rest, _ = max_min([fj for fj in jobs if not fj.learning], capacity)
+        return rates | rest
+    return max_min(jobs, 1.0)[0]
 
 
 class FluidNode:
@@ -186,7 +220,7 @@ class FluidNode:
             if fj.admitted and fj.pause_left_s > _EPS:
                 gaps.append(fj.pause_left_s)
             elif fj.rate > _EPS:
-                target = min(fj.next_pause_work_s, fj.job.work_s)
+                target = min(fj.next_pause_work_s, fj.job.work_s, fj.work95_s if fj.learning else math.inf)
                 gaps.append((target - fj.done_work_s) / fj.rate)
         return max(min(gaps), 0.0) if gaps else math.inf
 
@@ -199,6 +233,8 @@ class FluidNode:
                 fj.pause_left_s = max(fj.pause_left_s - dt_s, 0.0)
                 continue
             fj.done_work_s += fj.rate * dt_s
+            if fj.t95_s is None and not fj.learning:
+                fj.t95_s = self.now_s - fj.job.arrival_s
             if fj.done_work_s >= fj.job.work_s - 1e-7:
                 fj.end_s = self.now_s
             elif fj.done_work_s >= fj.next_pause_work_s - 1e-7:
@@ -216,26 +252,43 @@ class FluidNode:
                 raise RuntimeError(f"the model cannot go on: {', '.join(stuck)} never run (a job larger than a GPU?)")
             self._advance(dt_s)
         return FluidResult({fj.job.name: (fj.end_s or 0.0) - fj.job.arrival_s for fj in self.jobs},
-                           max(fj.end_s or 0.0 for fj in self.jobs))
+                           max(fj.end_s or 0.0 for fj in self.jobs),
+                           {fj.job.name: fj.t95_s if fj.t95_s is not None else 0.0 for fj in self.jobs})
 
 
 @dataclass(frozen=True)
 class FluidResult:
     completion_s: dict[str, float]  # per job: arrival to done
     makespan_s: float
+    t95_s: dict[str, float]  # per job: arrival to 95 % of its final progress
 
     @property
     def avg_completion_s(self) -> float:
         return sum(self.completion_s.values()) / len(self.completion_s)
 
+    @property
+    def avg_t95_s(self) -> float:
+        return sum(self.t95_s.values()) / len(self.t95_s)
 
-def bounds(jobs: Sequence[Job]) -> dict[str, tuple[float, float | None]]:
-    """(average completion s, makespan s or None) of `alone` and of every time policy x placement."""
-    out: dict[str, tuple[float, float | None]] = {"alone": (sum(alone_s(j) for j in jobs) / len(jobs), None)}
+
+@dataclass(frozen=True)
+class Bound:
+    """One ideal scheduler's figures on a mix (makespan and t95: None for `alone`)."""
+
+    avg_completion_s: float
+    makespan_s: float | None = None
+    avg_t95_s: float | None = None
+
+
+def bounds(jobs: Sequence[Job]) -> dict[str, Bound]:
+    """`alone` and every time policy x placement (learners: with the benchmark's placement)."""
+    out = {"alone": Bound(sum(alone_s(j) for j in jobs) / len(jobs))}
     for placement in PLACEMENTS:
         for policy in TIME_POLICIES:
+            if policy == "learners" and placement != "arrival":
+                continue
             result = FluidNode(jobs, policy, placement).run()
-            out[f"{policy} / {placement}"] = (result.avg_completion_s, result.makespan_s)
+            out[f"{policy} / {placement}"] = Bound(result.avg_completion_s, result.makespan_s, result.avg_t95_s)
     return out
 
 
@@ -254,12 +307,17 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     if unknown:
         parser.error(f"unknown mix {', '.join(unknown)}: use {', '.join(every)}")
     out(f"fluid model: {GPUS} GPUs of {GPU_MIB // 1024} GiB, load {args.load}{', quick scale' if args.quick else ''}, "
-        "zero overhead; average completion s (makespan s)")
+        "zero overhead")
     for name in names:
         out(f"{name}:")
-        for label, (avg_s, makespan_s) in bounds(every[name]).items():
-            out(f"  {label:18s} {avg_s:6.2f}" + (f"  ({makespan_s:.2f})" if makespan_s is not None else ""))
+        out(f"  {'scheduler':20s}{'avg completion s':>18}{'makespan s':>12}{'t95 s':>9}")
+        for label, bound in bounds(every[name]).items():
+            out(f"  {label:20s}{bound.avg_completion_s:>18.2f}{fmt(bound.makespan_s):>12}{fmt(bound.avg_t95_s):>9}")
     return 0
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":
