@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 
 from gpuwatch.core.model import ContainerIdentity, ContainerProgress, Snapshot
 from gpuwatch.policy.decisions import Decision, Verb
 from gpuwatch.policy.elastic import divide
-from gpuwatch.policy.rules import ElasticSettings, ElasticThrottle
+from gpuwatch.policy.rules import ElasticDivide, ElasticSettings, ElasticThrottle
 from tests.unit.test_policy_evaluate import Driver, ident, policy, snap, usage
 
 POLICY = """
@@ -256,8 +257,6 @@ def test_throttle_yielding_holds_only_the_jobs_that_yield() -> None:
 
 
 def test_divide_plateau_only_plateaued_jobs_yield() -> None:
-    from gpuwatch.policy.rules import ElasticDivide
-
     s = ElasticSettings(enabled=True, floor=0.1, plateau=0.05, divide=ElasticDivide.PLATEAU)
     shares = divide({}, {"a": 1.0, "b": 0.2, "c": 0.01}, s)
     # the half-flattened job keeps an equal part with the steep one; only the plateaued one yields
@@ -345,3 +344,23 @@ def test_shares_kept_from_fewer_tenants_never_squeeze_a_learning_job_to_nothing(
         keys = sorted(fixed)
         ratios = [shares[k] / fixed[k] for k in keys]
         assert max(ratios) - min(ratios) < 1e-9, (fixed, shares)
+
+
+def test_divide_keeps_every_share_in_range_on_random_gpus() -> None:
+    """Seeded random GPUs (kept and annotated shares of any size, efficiencies from 0 to far
+    above the early rate, every setting's range): every share in (0, 1], the GPU never divided
+    beyond all of it, each job with an efficiency at or above its floor (the floor shrinks to an
+    equal split only where the tenants cannot all have it)."""
+    rng = random.Random(21)
+    for _ in range(3000):
+        s = ElasticSettings(enabled=True, floor=rng.choice([0.01, 0.05, 0.1, 0.25, 0.5]),
+                            plateau=rng.choice([0.01, 0.05, 0.5, 1.0]), divide=rng.choice(list(ElasticDivide)))
+        fixed = {f"f{k}": rng.choice([rng.uniform(0.01, 1.0), 1 / rng.randint(1, 8)]) for k in range(rng.randint(0, 5))}
+        efficiencies = {f"e{k}": rng.choice([0.0, 1e-9, rng.uniform(0.0, 2.0), 5.0]) for k in range(rng.randint(1, 6))}
+        shares = divide(fixed, efficiencies, s)
+        case = (s.floor, fixed, efficiencies, shares)
+        assert set(shares) == set(fixed) | set(efficiencies), case
+        assert all(0 < v <= 1 for v in shares.values()), case
+        assert sum(shares.values()) <= 1 + 1e-9, case
+        floor = min(s.floor, 1 / (len(fixed) + len(efficiencies)))
+        assert all(shares[k] >= floor - 1e-9 for k in efficiencies), case
