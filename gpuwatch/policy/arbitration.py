@@ -28,7 +28,10 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   container stays within its equal part (the GPU / the containers holding memory, counting
   itself; while others ask, holders are promised no more than the GPU / all of them; when
   every container on the GPU waits for more than its part, the first in line whose request
-  fits goes ahead, so equal parts never leave a GPU idle for good). The rest wait: paused
+  fits goes ahead, so equal parts never leave a GPU idle for good -- and so under `split:
+  demand`, where a first in line that does not fit could otherwise hold back a later request
+  that does while nobody runs). A request that cannot fit on the GPU even if everyone else
+  left is continued to fail with out-of-memory, as without gpuwatch. The rest wait: paused
   (frozen, and still stopped at the allocation), resumed in the same order as memory frees;
   one waiting past `rescheduling.checkpoint_after` gets the
   checkpoint signal;
@@ -39,6 +42,8 @@ With fair share (the `fair_share` and `rescheduling` policy sections), per GPU:
   another container is told it may use that memory. A container found running that no round
   admitted (it started before the agent, or allocated with no gate) keeps what it holds and
   grows to its declared demand only out of such memory: it was never promised the rest.
+  Memory nobody planned for (a CUDA context made on a GPU whose memory is all promised) takes
+  back promises not yet allocated, latest first, so the allowances never exceed the GPU.
 """
 
 from __future__ import annotations
@@ -277,12 +282,23 @@ class _Round:
     # -- deadlocks ---------------------------------------------------------------------
     def deadlock(self, gpu: int, seats: list[_Seat]) -> None:
         settings = self.policy.deadlock
+        if gpu in self.deadlocks and self.deadlocks[gpu] not in {s.key for s in seats}:
+            # the victim is gone (checkpointed and ended): that deadlock is over; one that
+            # persists among the others is a new one, with a victim of its own
+            self.deadlocks.pop(gpu)
+            self.resolved += 1
         held = sum(s.held for s in seats)
         free = _free_bytes(self.snapshot, gpu, held)
         if free is None:
             return
+        # under fair share a waiter is admitted for its whole demand (its declared one with
+        # rescheduling.demand_from_limit), not just the allocation it stopped at: waiters whose
+        # demands fit nowhere while nobody runs are deadlocked even if one small allocation would fit
+        capacity = (_capacity(self.snapshot, gpu) or 0) if self.policy.fair_share.enabled else 0
         contenders = [
-            Contender(s.key, s.view.identity, gpu, s.held, s.pending, s.priority, s.blocked)
+            Contender(s.key, s.view.identity, gpu, s.held,
+                      max(s.pending, min(s.demand, capacity) - s.held) if capacity and s.pending > 0 else s.pending,
+                      s.priority, s.blocked)
             for s in seats
         ]
         found = find_deadlock(gpu, free, contenders) if settings.enabled else None
@@ -394,27 +410,34 @@ class _Round:
                 continue
             if not self._within_own_limit(seat):
                 continue  # the rule's ladder decides
+            if seat.held + seat.pending > avail:
+                self._never_fits(gpu, seat, avail)
+                continue
+            demand = min(seat.demand, avail)  # a declared demand beyond the GPU is promised the GPU at most
             if settings.split is FairShareSplit.EQUAL:
-                allowed = seat.demand <= shares[seat.key]
+                allowed = demand <= shares[seat.key]
             else:
-                allowed = not line_blocked or not oversubscribed or seat.demand <= shares[seat.key]
-            extra = max(seat.demand - promised[seat.key], 0)  # beyond what it was promised already
+                allowed = not line_blocked or not oversubscribed or demand <= shares[seat.key]
+            extra = max(demand - promised[seat.key], 0)  # beyond what it was promised already
             if extra <= unpromised and allowed:
                 unpromised -= extra
                 admitted.append(seat)
             else:
                 waiting.append(seat)
                 line_blocked = True
-        if settings.split is FairShareSplit.EQUAL and waiting and not admitted and not any(
+        if waiting and not admitted and not any(
                 s.key not in self.waiting and s.pending <= 0 and s.held > 0 for s in live):
-            # everyone here waits for more than its equal part: nobody would ever run (three
-            # jobs of 3 GiB on an 8 GiB GPU each get 2.7). Equal parts must not leave a GPU idle:
-            # the first in line whose request fits in the unpromised memory goes ahead.
-            first = waiting[0]
-            extra = max(first.demand - promised[first.key], 0)
-            if extra <= unpromised:
-                unpromised -= extra
-                admitted.append(waiting.pop(0))
+            # everyone here waits and nobody runs, so no memory will ever free: under equal parts
+            # (three jobs of 3 GiB on an 8 GiB GPU each get 2.7) or behind a first in line whose
+            # request does not fit (the others may only backfill within their share). Waiting
+            # must not leave a GPU idle for good: the first in line whose request fits in the
+            # unpromised memory goes ahead (none fits: a deadlock, the deadlock section's case).
+            for index, seat in enumerate(waiting):
+                extra = max(min(seat.demand, avail) - promised[seat.key], 0)
+                if extra <= unpromised:
+                    unpromised -= extra
+                    admitted.append(waiting.pop(index))
+                    break
         for seat in admitted:
             self.admitted[seat.key] = max(self.admitted.get(seat.key, -1.0), seat.pending_event_s)
             if seat.key in self.waiting:
@@ -463,6 +486,24 @@ class _Round:
                 del self.waiting[seat.key]
         self._checkpoint_overdue(gpu, live)
         self._allowances(gpu, avail, live, shares, oversubscribed, prev, admitted)
+
+    def _never_fits(self, gpu: int, seat: _Seat, avail: int) -> None:
+        """A request that cannot fit on this GPU even if every other container left (what it
+        holds + what it asks > what containers can have there). Waiting would hang the job for
+        good and, in arrival order, hold back everyone behind it: its request is answered now
+        -- a stopped allocation is continued and the driver fails it with out-of-memory, as it
+        would without gpuwatch; a failed one (an OOM event) is not queued."""
+        self.admitted[seat.key] = max(self.admitted.get(seat.key, -1.0), seat.pending_event_s)
+        was_waiting = self.waiting.pop(seat.key, None) is not None
+        if seat.stopped or was_waiting:
+            self.emit(Decision(
+                Verb.RELEASE, seat.view.identity, FAIR_RULE, "fair_share",
+                f"GPU {gpu} can never hold {seat.held} B held + {seat.pending} B asked ({avail} B for "
+                "containers): the allocation goes on and fails with out-of-memory, as without gpuwatch",
+                (("held_bytes", float(seat.held)), ("requested_bytes", float(seat.pending)),
+                 ("available_bytes", float(avail))),
+                continue_stopped=True,
+            ))
 
     @staticmethod
     def _shares(avail: int, seats: list[_Seat], split: FairShareSplit, prev: Mapping[str, int | None]
@@ -558,8 +599,8 @@ class _Round:
         for seat in sorted(running, key=lambda s: (-s.priority, s.arrival_s, s.key)):
             key = seat.key
             if key in fresh:
+                # allowed nothing more; what it holds already (its CUDA context) stays counted
                 self.allowances[(gpu, key)] = 0
-                slack += current[key]
                 continue
             if target[key] <= current[key]:
                 self.allowances[(gpu, key)] = target[key]
@@ -567,6 +608,11 @@ class _Round:
             grow = min(target[key] - current[key], max(slack, 0))
             slack -= grow
             self.allowances[(gpu, key)] = current[key] + grow
+        excess = sum(self.allowances[(gpu, s.key)] if s.key not in fresh else s.held for s in running) + sum(
+            s.held for s in seats if s.key in self.waiting or not s.managed) - avail
+        if excess > 0:
+            self._trim(gpu, running, excess, {s.key: s.held + (s.pending if s.key in admitted_keys else 0)
+                                              for s in running})
         for seat in seats:
             if not seat.managed:
                 continue
@@ -580,6 +626,23 @@ class _Round:
                              shares.get(seat.key) if oversubscribed else None, allowance,
                              waiting.since_s if waiting is not None else None)
             )
+
+    def _trim(self, gpu: int, running: list[_Seat], excess: int, floor: Mapping[str, int]) -> None:
+        """The allowances promise more than the GPU has: memory nobody planned for was taken (a
+        container made its CUDA context on a GPU whose memory was all promised -- a pod placed
+        by something else than gpuwatch's placement -- or a process outside containers grew).
+        Promises not yet allocated are taken back, lowest priority and latest arrival first, down
+        to what each holds (and a request admitted this round), so that an allocation within an
+        allowance can never run the GPU out of memory: a container whose promise was cut is
+        stopped at its next allocation and waits, instead of failing with an OOM."""
+        for seat in sorted(running, key=lambda s: (-s.priority, s.arrival_s, s.key), reverse=True):
+            if excess <= 0:
+                return
+            allowance = self.allowances.get((gpu, seat.key), 0)
+            cut = min(max(allowance - floor[seat.key], 0), excess)
+            if cut > 0:
+                self.allowances[(gpu, seat.key)] = allowance - cut
+                excess -= cut
 
     def result(self) -> ArbitrationResult:
         limits: dict[str, int] = {}
