@@ -485,7 +485,9 @@ class _Round:
                                    f"GPU {gpu}: nothing pending any more; resuming", continue_stopped=True))
                 del self.waiting[seat.key]
         self._checkpoint_overdue(gpu, live)
-        self._allowances(gpu, avail, live, shares, oversubscribed, prev, admitted)
+        # a checkpointed container holds its memory until it has ended: nobody is promised it before
+        leaving = sum(s.held for s in seats if s.key in self.checkpointed)
+        self._allowances(gpu, avail - leaving, live, shares, oversubscribed, prev, admitted)
 
     def _never_fits(self, gpu: int, seat: _Seat, avail: int) -> None:
         """A request that cannot fit on this GPU even if every other container left (what it

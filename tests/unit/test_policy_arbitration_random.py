@@ -12,8 +12,9 @@ end. Every round its promises are checked:
   answered (admitted, failed, or its container checkpointed by the deadlock breaker).
 
 The world keeps the enforcer's habits: decisions that were suppressed are not carried out, and
-probe events are handed to each round for the policy's blocked window. This found four bugs
-(test_policy_rescheduling.py has one small case of each)."""
+probe events are handed to each round for the policy's blocked window; every third container
+has a higher priority. This found five bugs (test_policy_rescheduling.py has a small case of
+each)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ class Tenant:
 
 
 def policy_text(split: str, declared: bool) -> str:
-    rules = "rules:\n  - name: all\n    match: {namespace: ml}\n"
-    if declared:
-        rules += "    limits: {gpu_memory: 3GiB}\n    actions: [{do: alert, at: 101%}]\n"
+    """Every third container is of a higher priority (label tier: high)."""
+    limits = "    limits: {gpu_memory: 3GiB}\n    actions: [{do: alert, at: 101%}]\n" if declared else ""
+    rules = ("rules:\n  - name: high\n    priority: 9\n    match: {labels: {tier: high}}\n" + limits
+             + "  - name: all\n    match: {namespace: ml}\n" + limits)
     return (f"fair_share: {{enabled: true, split: {split}}}\n"
             f"rescheduling: {{gate_new: true{', demand_from_limit: true' if declared else ''}}}\n"
             "deadlock: {enabled: true, action: checkpoint-then-kill, grace: 3s}\n" + rules)
@@ -119,7 +121,9 @@ class World:
         if busy and self.rng.random() < 0.4 and self.used() + CONTEXT_BYTES <= GPU_BYTES:
             self.arrived += 1
             name = f"c{self.arrived}"
-            self.tenants[name] = Tenant(ident(name))  # its context: made before any allocation a probe stops
+            tier = "high" if self.arrived % 3 == 0 else ""
+            self.tenants[name] = Tenant(ident(name, priority_label=tier))  # its context: made before any
+            # allocation a probe stops
         return events
 
     def round(self, t: float, events: list[ProbeEvent]) -> None:

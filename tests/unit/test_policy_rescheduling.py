@@ -450,3 +450,20 @@ def test_waiters_whose_declared_demands_fit_nowhere_while_nobody_runs_are_a_dead
     result = d.step(snap(3.0, *(usage(j, half) for j in left), total=8 * GIB, free=GIB + half))
     again = [dec.target.container_name for dec in result.decisions if dec.verb is Verb.CHECKPOINT_KILL]
     assert len(again) == 1 and again != victims, moves(result)
+
+
+def test_a_checkpointed_container_holds_its_memory_until_it_ends_and_nobody_is_promised_it() -> None:
+    # b waited too long and was told to checkpoint; until it has ended its 3 GiB are still on the
+    # GPU: a, running, may not be promised them (an allocation within its allowance would OOM)
+    d = fair(extra="rescheduling: {checkpoint_after: 60s, grace: 5s}\n")
+    a, b = ident("a"), ident("b")
+    d.step(snap(1.0, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB))
+    d.step(snap(2.0, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB), [stop(b, 1.5, 2 * GIB)])
+    overdue = d.step(snap(62.5, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB))
+    assert [dec.verb for dec in overdue.decisions] == [Verb.CHECKPOINT_KILL]
+    for t in (63.0, 64.0):
+        result = d.step(snap(t, usage(a, 4 * GIB), usage(b, 3 * GIB), total=8 * GIB, free=GIB))
+        assert result.effective_limits_bytes[a.key] <= 5 * GIB, result.effective_limits_bytes
+    # b has ended: a may have it all
+    result = d.step(snap(65.0, usage(a, 4 * GIB), total=8 * GIB, free=4 * GIB))
+    assert result.effective_limits_bytes[a.key] == 8 * GIB
